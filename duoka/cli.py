@@ -1,0 +1,153 @@
+"""The `duoka` command. Subcommands are thin: they parse flags and call the library.
+
+User errors (DuokaError) end in two lines, the cause and the fix, and exit code 2;
+anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from importlib import resources
+from pathlib import Path
+
+from duoka import __version__
+from duoka.errors import DuokaError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def bundled_model_dir() -> Path:
+    """A tiny Qwen2 shipped in the package (tools/make_tiny_model.py made it), so that
+    `duoka generate` works on a fresh machine with no download."""
+    return Path(str(resources.files("duoka") / "assets" / "tiny-qwen2"))
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- generate
+
+
+def add_generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a Hugging Face Qwen2 folder (streams to stdout)",
+                       description="Generate a continuation of PROMPT. Only the generated text goes to stdout; "
+                                   "load and speed figures go to stderr.")
+    p.add_argument("--model", default=None,
+                   help="model folder or hub id (default: the tiny model bundled with duoka)")
+    p.add_argument("--prompt", default=None, help="prompt text (default: read stdin when it is not a terminal)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
+    p.add_argument("--system", default=None, help="system message for --chat")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling (temperature > 0)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto = bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--compile", action="store_true", help="compile the decode step with CUDA graphs (GPU)")
+    p.set_defaults(func=run_generate)
+
+
+def run_generate(a: argparse.Namespace) -> int:
+    import torch
+
+    from duoka.data.tokenizer import load_tokenizer
+    from duoka.models.qwen2.hf_adapter import load_hf_model
+    from duoka.serve.generate import Generator, SamplingParams, TextStream
+
+    params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
+                            top_p=a.top_p, seed=a.seed)
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise DuokaError("--device cuda was asked for but PyTorch sees no GPU",
+                         "run `nvidia-smi` to check the driver, or use --device cpu")
+    dtype = None if a.dtype == "auto" else getattr(torch, a.dtype)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    prompt = a.prompt
+    if prompt is None:
+        if sys.stdin is not None and not sys.stdin.isatty():
+            prompt = sys.stdin.read()
+        elif a.model is None:
+            prompt = "Once upon a time"
+        else:
+            raise DuokaError("no prompt given", 'pass --prompt "..." or pipe text on stdin')
+    model_ref = a.model or bundled_model_dir()
+
+    t0 = time.perf_counter()
+    tokenizer = load_tokenizer(model_ref)
+    model, folder = load_hf_model(model_ref, device=device, dtype=dtype)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    load_s = time.perf_counter() - t0
+    log(f"duoka: loaded {folder} ({model.args.n_layers} layers, {str(dtype).removeprefix('torch.')}, {device}) "
+        f"in {load_s:.2f} s")
+
+    if a.chat:
+        messages = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": prompt}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    else:
+        ids = tokenizer.encode(prompt)
+    prompt_ids = torch.tensor(ids, dtype=torch.long)
+
+    stops = tokenizer.stop_ids() or ({model.args.eos_token_id} if isinstance(model.args.eos_token_id, int) else set())
+    text = TextStream(tokenizer)
+    out = sys.stdout
+    generated = 0
+    first_token_s = None
+    t1 = time.perf_counter()
+    for token in Generator(model, compile=a.compile).stream(prompt_ids, params, stops):
+        token_id = int(token[0])
+        if first_token_s is None:
+            first_token_s = time.perf_counter() - t1
+        generated += 1
+        if token_id in stops:
+            break
+        out.write(text.push(token_id))
+        out.flush()
+    out.write(text.flush() + "\n")
+    out.flush()
+    total_s = time.perf_counter() - t1
+    decode_tps = (generated - 1) / (total_s - first_token_s) if generated > 1 and total_s > first_token_s else 0.0
+    log(f"duoka: prompt {len(ids)} tokens, generated {generated} tokens in {total_s:.2f} s "
+        f"(first token {first_token_s * 1000:.0f} ms, decode {decode_tps:.1f} tokens/s)")
+    return 0
+
+
+# ---------------------------------------------------------------- entry point
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="duoka", description="Train and serve Qwen2-family models on many GPUs.")
+    parser.add_argument("--version", action="version", version=f"duoka {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    add_generate_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return args.func(args)
+    except DuokaError as e:
+        print(f"error: {e.cause}", file=sys.stderr)
+        if e.fix:
+            print(f"  fix: {e.fix}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `duoka generate ... | head` closed the pipe: not an error
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

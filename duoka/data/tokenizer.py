@@ -1,0 +1,328 @@
+"""Tokenizer of a Hugging Face model folder, through the `tokenizers` library.
+
+Gives the same ids, text and chat rendering as transformers' AutoTokenizer on the same
+folder (tests/unit/test_tokenizer.py checks it), without importing transformers:
+- tokenizer.json drives normalisation, pre-tokenisation, BPE and decoding;
+- tokenizer_config.json (and the older special_tokens_map.json) names the special tokens;
+- the chat template comes from chat_template.jinja (what transformers >= 4.50 writes) or
+  else from tokenizer_config.json's chat_template, and is rendered in the same sandboxed
+  jinja2 environment transformers uses (trim_blocks, lstrip_blocks, its tojson,
+  raise_exception, strftime_now and the {% generation %} tag).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from contextlib import contextmanager
+from contextvars import ContextVar
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from duoka.errors import DuokaError
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # {"content": "<|endoftext|>", "lstrip": false, ...}
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, folder: str | Path):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.folder = Path(folder)
+        tok_file = self.folder / "tokenizer.json"
+        if not tok_file.is_file():
+            have = sorted(p.name for p in self.folder.glob("*")) if self.folder.is_dir() else []
+            raise DuokaError(
+                f"{self.folder} has no tokenizer.json" + (f" (found: {', '.join(have[:8])})" if have else ""),
+                "copy tokenizer.json and tokenizer_config.json from the original model folder "
+                "(a slow-only tokenizer can be converted once with transformers: "
+                "AutoTokenizer.from_pretrained(dir).save_pretrained(dir))",
+            )
+        try:
+            self._tok = HFTokenizer.from_file(str(tok_file))
+        except Exception as e:  # the Rust side raises plain Exception subclasses
+            raise DuokaError(f"{tok_file} cannot be read ({e})", "the file is damaged; copy it again from the model") from None
+        self.config: dict[str, Any] = self._read_json("tokenizer_config.json")
+        special_map = self._read_json("special_tokens_map.json")
+        self.special_tokens: dict[str, str] = {}
+        for key in _SPECIAL_KEYS:
+            text = _token_text(self.config.get(key)) or _token_text(special_map.get(key))
+            if text is not None:
+                self.special_tokens[key] = text
+        self.chat_template = self._find_chat_template()
+        # generation_config.json may list several stop ids (Qwen2-Instruct: <|im_end|> and <|endoftext|>)
+        self._generation_config = self._read_json("generation_config.json")
+
+    def _read_json(self, name: str) -> dict[str, Any]:
+        path = self.folder / name
+        if not path.is_file():
+            return {}
+        try:
+            return json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise DuokaError(f"{path} is not valid JSON ({e})", "restore the file from the original model") from None
+
+    def _find_chat_template(self) -> str | None:
+        jinja_file = self.folder / "chat_template.jinja"
+        if jinja_file.is_file():
+            return jinja_file.read_text(encoding="utf-8")
+        template = self.config.get("chat_template")
+        if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+            named = {t["name"]: t["template"] for t in template}
+            return named.get("default", next(iter(named.values()), None))
+        return template
+
+    # ---- ids and text
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def _special_id(self, key: str) -> int | None:
+        text = self.special_tokens.get(key)
+        return None if text is None else self._tok.token_to_id(text)
+
+    @property
+    def bos_id(self) -> int | None:
+        return self._special_id("bos_token")
+
+    @property
+    def eos_id(self) -> int | None:
+        return self._special_id("eos_token")
+
+    @property
+    def pad_id(self) -> int | None:
+        return self._special_id("pad_token")
+
+    def stop_ids(self) -> set[int]:
+        """Ids that end a generation: the tokenizer's eos plus generation_config.json's."""
+        ids = set()
+        gen_eos = self._generation_config.get("eos_token_id")
+        if isinstance(gen_eos, int):
+            ids.add(gen_eos)
+        elif isinstance(gen_eos, list):
+            ids.update(int(i) for i in gen_eos)
+        if self.eos_id is not None:
+            ids.add(self.eos_id)
+        return ids
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        # transformers >= 5 skips clean_up_tokenization_spaces for BPE models (it would
+        # delete real spaces before punctuation), and Qwen2 is BPE: so no clean-up here.
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Content hash of the files that decide tokenisation (used by data manifests)."""
+        h = hashlib.sha256()
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+            path = self.folder / name
+            if path.is_file():
+                h.update(name.encode() + b"\0" + path.read_bytes())
+        return h.hexdigest()[:16]
+
+    # ---- chat
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> str | list[int]:
+        """Render messages as transformers' `apply_chat_template` does; with tokenize the
+        text is encoded without adding special tokens (the template already holds them)."""
+        text, _ = self.render_chat(messages, add_generation_prompt, tools, documents, chat_template, **kwargs)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = False,
+        tools: list[dict] | None = None,
+        documents: list[dict] | None = None,
+        chat_template: str | None = None,
+        **kwargs: Any,
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered text and the character spans inside {% generation %} blocks
+        (the assistant's parts, for masking prompts out of an SFT loss)."""
+        template = chat_template or self.chat_template
+        if template is None:
+            raise DuokaError(f"{self.folder} has no chat template (no chat_template.jinja, none in tokenizer_config.json)",
+                             "use a chat/instruct model's tokenizer, or drop --chat and pass plain text")
+        import jinja2
+
+        compiled = _compile_template(template)
+        context = {**self.special_tokens, **kwargs}
+        spans: list[tuple[int, int]] = []
+        blocks: list[str] = []
+        try:
+            # generate() yields output in order, so a {% generation %} block knows its
+            # start offset from what was yielded before it (as transformers does).
+            with _track_generation((blocks, spans)):
+                for block in compiled.generate(messages=[_alias_reasoning(m) for m in messages], tools=tools,
+                                               documents=documents, add_generation_prompt=add_generation_prompt,
+                                               **context):
+                    blocks.append(block)
+        except jinja2.TemplateError as e:
+            raise DuokaError(f"the chat template rejected these messages: {e}",
+                             "check the roles and their order (most templates want alternating user/assistant turns)") from None
+        text = "".join(blocks)
+        return text, spans
+
+
+# ---------------------------------------------------------------- jinja environment
+# Mirrors transformers.utils.chat_template_utils so templates render byte-for-byte alike.
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_generation_spans: ContextVar[tuple[list, list] | None] = ContextVar("duoka_generation_spans", default=None)
+
+
+def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    """transformers passes a message's reasoning under each name templates read."""
+    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is None:
+        return dict(message)
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+@contextmanager
+def _track_generation(tracking: tuple[list, list]):
+    token = _generation_spans.set(tracking)
+    try:
+        yield
+    finally:
+        _generation_spans.reset(token)
+
+
+_TEMPLATE_CACHE: dict[str, Any] = {}
+
+
+def _compile_template(source: str):
+    if source in _TEMPLATE_CACHE:
+        return _TEMPLATE_CACHE[source]
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class GenerationTag(jinja2.ext.Extension):
+        """{% generation %}...{% endgeneration %}: renders its body and records where."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_render", [jinja2.nodes.ContextReference()]), [], [], body
+                                          ).set_lineno(lineno)
+
+        def _render(self, context, caller):
+            text = caller()
+            tracking = _generation_spans.get()
+            if tracking is not None:
+                blocks, spans = tracking
+                start = sum(len(b) for b in blocks)
+                spans.append((start, start + len(text)))
+            return text
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # jinja's own tojson escapes HTML characters, which chat templates must not.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    compiled = _TEMPLATE_CACHE[source] = env.from_string(source)
+    return compiled
+
+
+def load_tokenizer(name_or_path: str | Path) -> Tokenizer:
+    from duoka.hub import resolve_model_dir
+
+    return Tokenizer(resolve_model_dir(name_or_path))
+
+
+# ---------------------------------------------------------------- training a new tokenizer
+
+# Qwen2's pre-tokeniser split (from its tokenizer.json): contractions, letter runs with
+# one leading non-letter, single digits, punctuation runs, newlines, whitespace.
+QWEN2_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Qwen2-Instruct's chat template (ChatML).
+QWEN2_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+QWEN2_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def train_bpe_tokenizer(texts, vocab_size: int, out_dir: str | Path, chat_template: str = QWEN2_CHAT_TEMPLATE) -> Tokenizer:
+    """Train a byte-level BPE with Qwen2's pipeline (NFC, its split regex, byte-level
+    alphabet, ChatML special tokens) and write tokenizer.json + tokenizer_config.json
+    that transformers' AutoTokenizer loads as a Qwen2 tokenizer. For small models
+    trained from scratch, and for tests."""
+    from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    tok = HFTokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(QWEN2_SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / "tokenizer.json"))
+    added = {
+        str(tok.token_to_id(t)): {"content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                                  "single_word": False, "special": True}
+        for t in QWEN2_SPECIAL_TOKENS
+    }
+    config = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "added_tokens_decoder": added,
+        "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "errors": "replace",
+        "model_max_length": 32768,
+        "split_special_tokens": False,
+        "chat_template": chat_template,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return Tokenizer(out)

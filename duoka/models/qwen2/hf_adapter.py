@@ -1,0 +1,318 @@
+"""Hugging Face checkpoint folders in and out.
+
+Reading: config.json -> ModelArgs; weights from `model.safetensors` or the shards named
+by `model.safetensors.index.json`, renamed from transformers' names to duoka's. The
+headers are checked first (names and shapes, every problem in one error), then each
+tensor is read through safetensors' memory map and copied straight into the already
+allocated parameter in the target dtype and device: at most one tensor is ever held
+twice. Pickle files are never opened.
+
+Writing: the same layout transformers writes (config.json, one file or size-limited
+shards plus the index), staged in a sibling folder and moved into place only once
+complete, so an interrupted save never leaves a folder that looks whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Iterable
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from duoka.errors import DuokaError
+from duoka.hub import resolve_model_dir
+from duoka.models.qwen2.args import ModelArgs, from_hf_config, to_hf_config
+from duoka.models.qwen2.model import Qwen2, build_model, materialize
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# transformers name inside a decoder layer -> duoka name inside a TransformerBlock
+_LAYER_NAMES = {
+    "self_attn.q_proj.weight": "attention.wq.weight",
+    "self_attn.q_proj.bias": "attention.wq.bias",
+    "self_attn.k_proj.weight": "attention.wk.weight",
+    "self_attn.k_proj.bias": "attention.wk.bias",
+    "self_attn.v_proj.weight": "attention.wv.weight",
+    "self_attn.v_proj.bias": "attention.wv.bias",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+    "input_layernorm.weight": "attention_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+}
+_TOP_NAMES = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_LAYER_NAMES_BACK = {v: k for k, v in _LAYER_NAMES.items()}
+_TOP_NAMES_BACK = {v: k for k, v in _TOP_NAMES.items()}
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_DUOKA_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
+
+
+def hf_to_duoka(name: str) -> str | None:
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    m = _HF_LAYER.match(name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
+    return None
+
+
+def duoka_to_hf(name: str) -> str:
+    if name in _TOP_NAMES_BACK:
+        return _TOP_NAMES_BACK[name]
+    m = _DUOKA_LAYER.match(name)
+    if m and m.group(2) in _LAYER_NAMES_BACK:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES_BACK[m.group(2)]}"
+    raise KeyError(f"no Hugging Face name for parameter {name}")
+
+
+# ---------------------------------------------------------------- reading
+
+
+def read_config(folder: Path) -> ModelArgs:
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        raise DuokaError(f"{folder} has no {CONFIG_FILE}", "a Hugging Face model folder needs config.json next to the weights")
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise DuokaError(f"{path} is not valid JSON ({e})", "restore the file from the original checkpoint") from None
+    return from_hf_config(cfg, source=str(path))
+
+
+def checkpoint_dtype(folder: Path) -> torch.dtype | None:
+    cfg = json.loads((folder / CONFIG_FILE).read_text())
+    name = cfg.get("dtype") or cfg.get("torch_dtype")
+    return getattr(torch, name, None) if isinstance(name, str) else None
+
+
+def weight_files(folder: Path) -> dict[str, Path]:
+    """Map every tensor name to the file holding it, from the index or the single file."""
+    index = folder / INDEX_FILE
+    single = folder / SINGLE_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise DuokaError(f"{index} is not a valid safetensors index ({e!r})",
+                             "restore it from the original checkpoint; it must hold a 'weight_map' object") from None
+        files = {name: folder / fname for name, fname in weight_map.items()}
+        missing = sorted({p.name for p in files.values() if not p.is_file()})
+        if missing:
+            raise DuokaError(f"{index.name} names shard files that are not in {folder}: {', '.join(missing)}",
+                             "the download is incomplete; fetch the missing shards")
+        return files
+    if single.is_file():
+        return {name: single for name in _open(single).keys()}
+    pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt*"))
+    if pickles:
+        raise DuokaError(
+            f"{folder} holds only pickle weights ({', '.join(pickles[:3])}); duoka never unpickles checkpoints",
+            "convert once with transformers: AutoModelForCausalLM.from_pretrained(dir).save_pretrained(out_dir) "
+            "(it writes safetensors)",
+        )
+    raise DuokaError(f"{folder} has no {SINGLE_FILE} or {INDEX_FILE}", "point at a Hugging Face model folder with safetensors weights")
+
+
+def _open(path: Path):
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except (SafetensorError, OSError) as e:
+        raise DuokaError(f"{path} is not a readable safetensors file ({e})",
+                         "the file is damaged or truncated; download it again") from None
+
+
+def _expected_tensors(model: Qwen2) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape for every tensor this (possibly partial) model needs."""
+    expected = {}
+    for name, tensor in model.state_dict().items():
+        if name == "output.weight" and model.args.tie_word_embeddings:
+            continue  # transformers omits the tied head; its values are the embedding's
+        expected[duoka_to_hf(name)] = tuple(tensor.shape)
+    return expected
+
+
+def load_hf_weights(model: Qwen2, folder: Path, allow_unused: bool = False) -> None:
+    """Fill an allocated model from the folder's safetensors.
+
+    allow_unused: accept checkpoint tensors the model does not hold (a pipeline stage
+    loads only its layers). Missing or wrongly shaped tensors are always an error."""
+    files = weight_files(folder)
+    handles = {path: _open(path) for path in set(files.values())}
+    expected = _expected_tensors(model)
+
+    found: dict[str, tuple[int, ...]] = {}
+    not_in_file = []
+    for name, path in files.items():
+        if name not in handles[path].keys():
+            not_in_file.append(f"{name} (index says {path.name})")
+            continue
+        found[name] = tuple(handles[path].get_slice(name).get_shape())
+
+    problems = []
+    missing = sorted(set(expected) - set(found))
+    tied_head = model.args.tie_word_embeddings and "lm_head.weight" in found
+    unexpected = sorted(n for n in set(found) - set(expected) if not (tied_head and n == "lm_head.weight"))
+    wrong = sorted(f"{n}: checkpoint {list(found[n])}, model {list(expected[n])}"
+                   for n in set(found) & set(expected) if found[n] != expected[n])
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): {_short(missing)}")
+    if not_in_file:
+        problems.append(f"listed in the index but absent from their file: {_short(not_in_file)}")
+    if unexpected and not allow_unused:
+        problems.append(f"unexpected tensors ({len(unexpected)}): {_short(unexpected)}")
+    if wrong:
+        problems.append(f"wrong shapes ({len(wrong)}): {_short(wrong)}")
+    if problems:
+        raise DuokaError(f"checkpoint {folder} does not match its config.json:\n    " + "\n    ".join(problems),
+                         "the weights and config.json come from different models, or the files are damaged")
+
+    params = model.state_dict()
+    with torch.no_grad():
+        for hf_name in expected:
+            path = files[hf_name]
+            params[hf_to_duoka(hf_name)].copy_(handles[path].get_tensor(hf_name))
+
+
+def _short(names: list[str], limit: int = 12) -> str:
+    more = f", ... and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def load_hf_model(
+    name_or_path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+) -> tuple[Qwen2, Path]:
+    """Build the model on meta, allocate it once on `device` in `dtype` (default: the
+    checkpoint's dtype on GPU, fp32 on CPU), then stream the weights in."""
+    folder = resolve_model_dir(name_or_path)
+    args = read_config(folder)
+    if dtype is None:
+        dtype = checkpoint_dtype(folder) or torch.bfloat16
+        if torch.device(device).type == "cpu":
+            dtype = torch.float32  # CPU bf16 matmuls are slow and rarely what a user wants
+    model = materialize(build_model(args), device, dtype)
+    load_hf_weights(model, folder)
+    return model.eval(), folder
+
+
+# ---------------------------------------------------------------- writing
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*$", re.I)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    if isinstance(size, int):
+        return size
+    m = _SIZE.match(size)
+    if not m:
+        raise DuokaError(f"cannot read size {size!r}", "write it like 5GB, 500MB or 2GiB")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
+
+
+def hf_state_dict(model: Qwen2) -> dict[str, torch.Tensor]:
+    """Parameters under transformers' names, the tied head left out as HF does."""
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if name == "output.weight" and model.args.tie_word_embeddings:
+            continue
+        out[duoka_to_hf(name)] = tensor
+    return out
+
+
+def plan_shards(sizes: Iterable[tuple[str, int]], max_bytes: int) -> list[list[str]]:
+    """Greedy in order, as transformers does: a shard is closed when the next tensor
+    would overflow it; a tensor larger than the limit gets a shard of its own."""
+    shards: list[list[str]] = [[]]
+    current = 0
+    for name, nbytes in sizes:
+        if shards[-1] and current + nbytes > max_bytes:
+            shards.append([])
+            current = 0
+        shards[-1].append(name)
+        current += nbytes
+    return shards
+
+
+def save_hf_checkpoint(
+    model: Qwen2,
+    out_dir: str | Path,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    extra_files: Iterable[Path] = (),
+) -> Path:
+    """Write `model` as a Hugging Face folder that Qwen2ForCausalLM.from_pretrained reads.
+
+    extra_files (tokenizer.json, tokenizer_config.json, ...) are copied alongside."""
+    out = Path(out_dir)
+    limit = parse_size(max_shard_size)
+    tensors = hf_state_dict(model)
+    itemsize = (dtype or next(iter(tensors.values())).dtype).itemsize
+    shards = plan_shards(((n, t.numel() * itemsize) for n, t in tensors.items()), limit)
+
+    stage = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    try:
+        weight_map, total = {}, 0
+        for i, names in enumerate(shards, start=1):
+            fname = SINGLE_FILE if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            # One shard at a time on the host: a GPU model never needs a full CPU copy.
+            shard = {n: _to_host(tensors[n], dtype) for n in names}
+            save_file(shard, str(stage / fname), metadata={"format": "pt"})
+            total += sum(t.numel() * t.element_size() for t in shard.values())
+            weight_map.update({n: fname for n in names})
+            del shard
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (stage / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        saved_dtype = dtype or next(iter(tensors.values())).dtype
+        config = to_hf_config(model.args, dtype=str(saved_dtype).removeprefix("torch."))
+        (stage / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+        for extra in extra_files:
+            extra = Path(extra)
+            if extra.is_file():
+                shutil.copy2(extra, stage / extra.name)
+        _publish(stage, out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return out
+
+
+def _to_host(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    t = t.detach()
+    if dtype is not None:
+        t = t.to(dtype)
+    return t.to("cpu").contiguous()
+
+
+def _publish(stage: Path, out: Path) -> None:
+    """Move a complete staging folder into place. Into an existing folder, files are
+    replaced one by one with the weights index last, then the shards of an earlier save
+    that the new files do not name are removed."""
+    if not out.exists():
+        os.replace(stage, out)
+        return
+    new_names = {p.name for p in stage.iterdir()}
+    for p in sorted(stage.iterdir(), key=lambda p: p.name == INDEX_FILE):
+        os.replace(p, out / p.name)
+    for old in list(out.glob("model*.safetensors")) + [out / INDEX_FILE]:
+        if old.exists() and old.name not in new_names:
+            old.unlink()
+    stage.rmdir()

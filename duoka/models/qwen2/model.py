@@ -1,0 +1,226 @@
+"""Qwen2 as a plain single-device nn.Module.
+
+Numerically the same model as transformers' Qwen2ForCausalLM (checked in
+tests/unit/test_parity.py), laid out for parallelism the torchtitan way: no process
+groups inside, layers in a ModuleDict with string keys (pipeline stages delete the ones
+they do not own), built on the meta device and then materialised with `to_empty` +
+`init_weights`, or filled from a checkpoint.
+
+Architecture (Qwen2 technical report, arXiv:2407.10671): pre-norm decoder blocks with
+RMSNorm, grouped-query attention with biases on q/k/v, rotary position embeddings
+(RoFormer, arXiv:2104.09864, "rotate-half" layout) and a SwiGLU MLP (arXiv:2002.05202).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from duoka.models.qwen2.args import ModelArgs
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (arXiv:1910.07467). The statistic is taken in fp32 and the
+    result cast back before the weight multiply, exactly as transformers' Qwen2RMSNorm,
+    so bf16 runs round at the same points."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin tables for the given positions, shape [..., seq, head_dim].
+
+    Computed from positions on every call (a few KB) instead of a cached buffer, so there
+    is no buffer to re-create after `to_empty` and packed sequences whose positions
+    restart per document need nothing special. Angles are fp32, then cast, as in HF."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
+    freqs = positions.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [batch, heads, seq, head_dim]; cos/sin: [seq, head_dim] or [batch, seq, head_dim]."""
+    if cos.dim() == 3:
+        cos, sin = cos[:, None], sin[:, None]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class KVCache:
+    """Static key/value cache for one sequence batch (gpt-fast style).
+
+    Buffers are allocated once at [batch, kv_heads, max_len, head_dim] per layer and
+    written in place at the decoded positions; attention always reads the full buffer
+    under a position mask. Shapes therefore never change from step to step, which keeps
+    a compiled or CUDA-graph-captured decode step valid for the whole generation."""
+
+    def __init__(self, args: ModelArgs, layer_names, batch: int, max_len: int, device, dtype):
+        shape = (batch, args.n_kv_heads, max_len, args.resolved_head_dim)
+        self.max_len = max_len
+        self.k = {name: torch.zeros(shape, device=device, dtype=dtype) for name in layer_names}
+        self.v = {name: torch.zeros(shape, device=device, dtype=dtype) for name in layer_names}
+        self.key_positions = torch.arange(max_len, device=device)
+
+    def update(self, layer: str, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        self.k[layer].index_copy_(2, input_pos, k)
+        self.v[layer].index_copy_(2, input_pos, v)
+        return self.k[layer], self.v[layer]
+
+    def mask(self, input_pos: torch.Tensor) -> torch.Tensor:
+        """[query, key] boolean: a query at position p sees keys at positions <= p."""
+        return self.key_positions[None, :] <= input_pos[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.resolved_head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=True)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=True)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=True)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x, cos, sin, cache: KVCache | None = None, layer: str = "", input_pos=None, mask=None):
+        bsz, seqlen, _ = x.shape
+        # -1 instead of the head count keeps this module correct when tensor parallelism
+        # has sharded the projections and each rank holds only its share of the heads.
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        gqa = q.shape[1] != k.shape[1]
+        if cache is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:
+            k, v = cache.update(layer, input_pos, k, v)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x); w1 is HF's gate_proj, w3 up_proj, w2 down_proj."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.intermediate_size)
+
+    def forward(self, x, cos, sin, cache=None, layer="", input_pos=None, mask=None):
+        x = x + self.attention(self.attention_norm(x), cos, sin, cache, layer, input_pos, mask)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Qwen2(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self):
+        """Share the embedding with the output head (Qwen2 <= 3B). Call again after any
+        operation that replaces parameters (to_empty, load_state_dict(assign=True))."""
+        if self.args.tie_word_embeddings and self.tok_embeddings is not None and self.output is not None:
+            self.output.weight = self.tok_embeddings.weight
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None):
+        """Random init as transformers' Qwen2PreTrainedModel: normal(0, initializer_range)
+        for linear and embedding weights, zero biases, unit norms. Works on a model that
+        was built on meta and moved with to_empty."""
+        gen = None
+        if seed is not None:
+            device = next(self.parameters()).device
+            gen = torch.Generator(device=device).manual_seed(seed)
+        std = self.args.initializer_range
+        self.tie_weights()
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                module.weight.normal_(0.0, std, generator=gen)
+                if getattr(module, "bias", None) is not None:
+                    module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        """tokens: [batch, seq] -> logits [batch, seq, vocab] in the compute dtype.
+
+        positions: [seq] or [batch, seq]; defaults to 0..seq-1. With a cache, positions
+        are where the tokens go in the cache (a [seq] tensor), and every query attends to
+        all cached keys at or before its own position."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        if positions is None:
+            positions = torch.arange(h.shape[1], device=h.device)
+        cos, sin = rope_cos_sin(positions, self.args.resolved_head_dim, self.args.rope_theta, h.dtype)
+        mask = cache.mask(positions) if cache is not None else None
+        for name, layer in self.layers.items():
+            h = layer(h, cos, sin, cache, name, positions, mask)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+    def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> KVCache:
+        p = self.tok_embeddings.weight
+        return KVCache(self.args, list(self.layers.keys()), batch, max_len, device or p.device, dtype or p.dtype)
+
+
+def build_model(args: ModelArgs, device: str | torch.device = "meta", dtype: torch.dtype | None = None) -> Qwen2:
+    """Build with uninitialised storage on `device` (meta by default: no memory at all).
+
+    On a real device call `init_weights()` or load a checkpoint next."""
+    with torch.device(device):
+        model = Qwen2(args)
+    if dtype is not None:
+        model.to(dtype)
+    return model
+
+
+def materialize(model: Qwen2, device: str | torch.device, dtype: torch.dtype | None = None) -> Qwen2:
+    """Give a meta-built model real (uninitialised) storage, keeping the tie."""
+    model.to_empty(device=device)
+    if dtype is not None:
+        model.to(dtype)
+    model.tie_weights()
+    return model
+
+
+def num_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+

@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny random Qwen2 checkpoints written by transformers itself, and a
+small Qwen2-style tokenizer trained with `tokenizers` (there is no model hub here)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+TOKENIZER_TEXTS = [
+    "The quick brown fox jumps over the lazy dog. It's 2024, and we're testing 12345 numbers!",
+    "Grouped-query attention shares each key/value head across several query heads.",
+    "中文分词测试：你好，世界。多卡训练大模型。",
+    "Émigré naïve café — ünïcödé, emoji 🙂🚀, tabs\tand\nnewlines\n\n  indented code:\n    return x",
+    "def f(x):\n    return x ** 2  # a comment\n",
+] * 40
+
+
+def hf_config(**overrides):
+    from transformers import Qwen2Config
+
+    base = dict(vocab_size=1001, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0, rms_norm_eps=1e-6,
+                tie_word_embeddings=True, attn_implementation="sdpa")
+    base.update(overrides)
+    return Qwen2Config(**base)
+
+
+def make_hf_model(seed: int = 0, noise: float = 0.2, **overrides):
+    """A transformers Qwen2ForCausalLM with every parameter perturbed away from its init
+    (transformers starts biases at 0 and norms at 1, which would hide bugs there; and
+    near-init random models decode one token over and over, which would prove little)."""
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(hf_config(**overrides)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * noise)
+    return model
+
+
+@pytest.fixture
+def hf_folder(tmp_path):
+    """Factory: write a random transformers Qwen2 to a folder; returns (hf_model, folder)."""
+
+    def make(seed: int = 0, max_shard_size=None, **overrides):
+        model = make_hf_model(seed, **overrides)
+        folder = tmp_path / f"hf-{seed}-{len(list(tmp_path.iterdir()))}"
+        kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.save_pretrained(folder, **kwargs)
+        return model, folder
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory):
+    from duoka.data.tokenizer import train_bpe_tokenizer
+
+    folder = tmp_path_factory.mktemp("tokenizer")
+    train_bpe_tokenizer(TOKENIZER_TEXTS, 600, folder)
+    return folder
