@@ -16,6 +16,7 @@ from duoka import __version__
 from duoka.errors import DuokaError
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEFAULT_PROMPT = "Return the"  # the bundled model read only standard-library docstrings
 
 
 def bundled_model_dir() -> Path:
@@ -69,13 +70,12 @@ def run_generate(a: argparse.Namespace) -> int:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
 
     prompt = a.prompt
+    if prompt is None and sys.stdin is not None and not sys.stdin.isatty():
+        prompt = sys.stdin.read() or None
     if prompt is None:
-        if sys.stdin is not None and not sys.stdin.isatty():
-            prompt = sys.stdin.read()
-        elif a.model is None:
-            prompt = "Once upon a time"
-        else:
+        if a.model is not None:
             raise DuokaError("no prompt given", 'pass --prompt "..." or pipe text on stdin')
+        prompt = DEFAULT_PROMPT
     model_ref = a.model or bundled_model_dir()
 
     t0 = time.perf_counter()

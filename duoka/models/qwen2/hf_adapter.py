@@ -288,6 +288,7 @@ def save_hf_checkpoint(
             extra = Path(extra)
             if extra.is_file():
                 shutil.copy2(extra, stage / extra.name)
+        _readable_by_all(stage)
         _publish(stage, out)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
@@ -300,6 +301,15 @@ def _to_host(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     if dtype is not None:
         t = t.to(dtype)
     return t.to("cpu").contiguous()
+
+
+def _readable_by_all(folder: Path) -> None:
+    """safetensors creates files private to the owner; a model folder is meant to be shared
+    like any file the user writes, so apply the ordinary umask instead."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in folder.iterdir():
+        os.chmod(p, 0o666 & ~umask)
 
 
 def _publish(stage: Path, out: Path) -> None:
