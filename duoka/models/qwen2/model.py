@@ -213,10 +213,13 @@ def build_model(args: ModelArgs, device: str | torch.device = "meta", dtype: tor
 
 
 def materialize(model: Qwen2, device: str | torch.device, dtype: torch.dtype | None = None) -> Qwen2:
-    """Give a meta-built model real (uninitialised) storage, keeping the tie."""
-    model.to_empty(device=device)
+    """Give a meta-built model real (uninitialised) storage, keeping the tie.
+
+    The dtype is set while still on meta, so storage is allocated once, in the final
+    dtype: allocating fp32 first and casting would briefly need three times the bf16 size."""
     if dtype is not None:
         model.to(dtype)
+    model.to_empty(device=device)
     model.tie_weights()
     return model
 
