@@ -97,25 +97,28 @@ def run_generate(a: argparse.Namespace) -> int:
     stops = tokenizer.stop_ids() or ({model.args.eos_token_id} if isinstance(model.args.eos_token_id, int) else set())
     text = TextStream(tokenizer)
     out = sys.stdout
-    generated = 0
-    first_token_s = None
+    stamps: list[float] = []  # when each token reached the host
     t1 = time.perf_counter()
     for token in Generator(model, compile=a.compile).stream(prompt_ids, params, stops):
         token_id = int(token[0])
-        if first_token_s is None:
-            first_token_s = time.perf_counter() - t1
-        generated += 1
+        stamps.append(time.perf_counter() - t1)
         if token_id in stops:
             break
         out.write(text.push(token_id))
         out.flush()
     out.write(text.flush() + "\n")
     out.flush()
-    total_s = time.perf_counter() - t1
-    decode_tps = (generated - 1) / (total_s - first_token_s) if generated > 1 and total_s > first_token_s else 0.0
-    log(f"duoka: prompt {len(ids)} tokens, generated {generated} tokens in {total_s:.2f} s "
-        f"(first token {first_token_s * 1000:.0f} ms, decode {decode_tps:.1f} tokens/s)")
+    log(f"duoka: prompt {len(ids)} tokens, generated {len(stamps)} tokens in {stamps[-1]:.2f} s "
+        f"(first token {stamps[0] * 1000:.0f} ms{_steady_rate(stamps)})")
     return 0
+
+
+def _steady_rate(stamps: list[float]) -> str:
+    """Decode speed from the second decode step on: the first one pays CUDA warm-up and,
+    with --compile, the compilation, which would hide the steady rate."""
+    if len(stamps) < 4:
+        return ""
+    return f", decode {(len(stamps) - 2) / (stamps[-1] - stamps[1]):.1f} tokens/s"
 
 
 # ---------------------------------------------------------------- entry point
