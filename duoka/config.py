@@ -1,0 +1,291 @@
+"""Training configuration: typed dataclass sections, read from TOML, overridden from the
+command line.
+
+Precedence, lowest to highest: the defaults below < the TOML file < `--section.key=value`
+flags (in the order given). Every key is checked: an unknown one is refused with the
+nearest valid key, a bad value with the allowed range or choices. The resolved config is
+written to the run directory as config.toml, which `duoka train` accepts back as is.
+docs/config.md is generated from the field metadata here (`python -m duoka.config`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import sys
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from duoka.errors import DuokaError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+
+def opt(default, help: str, *, choices: tuple | None = None, min: float | None = None, max: float | None = None,
+        kind: type | None = None):
+    """A config field with its documentation and limits in one place."""
+    meta = {"help": help, "choices": choices, "min": min, "max": max, "kind": kind}
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class JobConfig:
+    output_dir: str = opt("", "Run directory (config.toml, metrics.jsonl, checkpoints/). Empty: runs/<flavor>-<time>.")
+
+
+@dataclass
+class ModelConfig:
+    flavor: str = opt("debug", "Shape to train from scratch (see `duoka.models.qwen2.FLAVORS`): debug, qwen2-0.5b, "
+                               "qwen2-1.5b, qwen2-7b, qwen2-72b, qwen2.5-0.5b ... qwen2.5-72b. Ignored when path is set.")
+    path: str = opt("", "Hugging Face folder or hub id to start from (its config.json and weights). Empty: random init.")
+    tokenizer: str = opt("", "Folder with tokenizer.json. Empty: the model path's, or the bundled one for `debug`.")
+
+
+@dataclass
+class DataConfig:
+    path: str = opt("", "Training text: a .txt file (one document per blank-line-separated block), a .jsonl or "
+                        ".jsonl.gz file, or a folder of them. Empty: the bundled corpus. `random`: uniform random "
+                        "tokens (for throughput measurements only).")
+    text_field: str = opt("text", "JSONL field that holds the document text.")
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = opt(200, "Optimizer steps.", min=1)
+    seq_len: int = opt(128, "Tokens per sample.", min=8)
+    global_batch_size: int = opt(16, "Samples per optimizer step, summed over all data-parallel ranks and "
+                                     "gradient-accumulation micro-batches.", min=1)
+    micro_batch_size: int | str = opt("auto", "Samples per forward/backward on one rank, or `auto`: the largest "
+                                              "divisor of the per-rank batch that fits in memory (the whole per-rank "
+                                              "batch on CPU).", min=1, kind=int)
+    seed: int = opt(0, "Seed for initialisation and data order.", min=0)
+    dtype: str = opt("auto", "`bf16`: bf16 compute with fp32 master weights and fp32 gradient reduction. `fp32`: "
+                             "full precision (used by the equivalence tests). `auto`: bf16 on GPU, fp32 on CPU.",
+                     choices=("auto", "bf16", "fp32"))
+    grad_clip: float = opt(1.0, "Clip gradients to this global L2 norm; 0 disables clipping.", min=0.0)
+    activation_checkpointing: str = opt("none", "`full` recomputes each decoder block in the backward pass "
+                                                "(less memory, about a third more compute).", choices=("none", "full"))
+    compile: bool = opt(False, "torch.compile each decoder block.")
+
+
+@dataclass
+class OptimizerConfig:
+    lr: float = opt(3e-3, "Peak learning rate at reference_batch_size (before lr_scaling).", min=0.0)
+    lr_scaling: str = opt("none", "Scale lr with the global batch: linear (lr * B/B_ref, Goyal et al. 2017) or sqrt "
+                                  "(lr * sqrt(B/B_ref), for Adam-type optimisers, Malladi et al. 2022).",
+                          choices=("none", "linear", "sqrt"))
+    reference_batch_size: int = opt(0, "B_ref for lr_scaling; 0 means the global batch size (no scaling).", min=0)
+    schedule: str = opt("cosine", "After warmup: cosine or linear decay to min_lr_ratio * lr, constant, or wsd "
+                                  "(warmup-stable-decay: constant, then linear decay over the last decay_fraction "
+                                  "of the steps).", choices=("cosine", "linear", "constant", "wsd"))
+    warmup_steps: int = opt(10, "Linear warmup steps from 0 to the peak lr.", min=0)
+    min_lr_ratio: float = opt(0.1, "Final lr as a fraction of the peak.", min=0.0, max=1.0)
+    decay_fraction: float = opt(0.2, "wsd only: fraction of the steps spent decaying.", min=0.0, max=1.0)
+    weight_decay: float = opt(0.1, "AdamW decoupled weight decay, applied to parameters with 2 or more dimensions "
+                                   "only (not to norms and biases).", min=0.0)
+    beta1: float = opt(0.9, "AdamW beta1.", min=0.0, max=1.0)
+    beta2: float = opt(0.95, "AdamW beta2.", min=0.0, max=1.0)
+    eps: float = opt(1e-8, "AdamW epsilon.", min=0.0)
+
+
+@dataclass
+class ParallelConfig:
+    dp_mode: str = opt("ddp", "Data parallelism: ddp (replicated weights, all-reduced gradients) or fsdp (FSDP2: "
+                              "parameters, gradients and optimizer state sharded over dp_shard ranks, replicated over "
+                              "dp_replicate groups; both > 1 is HSDP).", choices=("ddp", "fsdp"))
+    dp_replicate: int = opt(-1, "Replica groups. -1: all ranks for ddp, 1 for fsdp.", min=-1)
+    dp_shard: int = opt(-1, "Ranks one fsdp replica is sharded over. -1: world size / dp_replicate.", min=-1)
+    reshard_after_forward: bool = opt(True, "fsdp: free gathered parameters after forward and gather again in "
+                                            "backward (less memory, more communication).")
+
+
+@dataclass
+class CheckpointConfig:
+    interval: int = opt(0, "Every this many steps write the model in Hugging Face format to "
+                           "checkpoints/step-N/; 0: only at the end. (Model weights only: resumable checkpoints with "
+                           "optimizer and data state come with the checkpoint issue.)", min=0)
+
+
+@dataclass
+class MetricsConfig:
+    log_interval: int = opt(10, "Print a progress line every this many steps (metrics.jsonl gets every step).", min=1)
+    peak_tflops: float = opt(0.0, "Per-device dense bf16 peak for MFU, in TFLOP/s; 0: from the GPU's name "
+                                  "(989 for H100/H200 SXM). CPU runs report no MFU.", min=0.0)
+
+
+@dataclass
+class Config:
+    job: JobConfig = field(default_factory=JobConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, dict[str, Any]]) -> "Config":
+        cfg = cls()
+        for section, values in data.items():
+            for key, value in values.items():
+                _set(cfg, section, key, value, origin="config")
+        return cfg
+
+
+SECTIONS = [f.name for f in fields(Config)]
+
+
+def _section_fields(cfg: Config, section: str) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in fields(getattr(cfg, section))}
+
+
+def _all_keys(cfg: Config) -> list[str]:
+    return [f"{s}.{k}" for s in SECTIONS for k in _section_fields(cfg, s)]
+
+
+def _unknown(name: str, cfg: Config, origin: str) -> DuokaError:
+    close = difflib.get_close_matches(name, _all_keys(cfg), n=1, cutoff=0.5)
+    if not close:  # a right key in the wrong section: training.lr -> optimizer.lr
+        tail = name.split(".")[-1]
+        close = [k for k in _all_keys(cfg) if k.split(".")[-1] == tail][:1]
+    hint = f"did you mean {close[0]}?" if close else "docs/config.md lists every key"
+    return DuokaError(f"{origin}: unknown config key {name!r}", hint)
+
+
+def _coerce(name: str, f: dataclasses.Field, value: Any, origin: str) -> Any:
+    meta = f.metadata
+    kind = meta.get("kind") or type(f.default)
+    where = f"{origin}: {name}={value!r}"
+    if isinstance(f.default, str) and f.default == "auto" and kind is int:  # int or "auto"
+        if value == "auto":
+            return value
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise DuokaError(f"{where} is not a boolean", "use true or false")
+    if kind is int:
+        if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+            raise DuokaError(f"{where} is not an integer", "write a whole number" +
+                             (" or auto" if f.default == "auto" else ""))
+        try:
+            value = int(value)
+        except (TypeError, ValueError):
+            raise DuokaError(f"{where} is not an integer", "write a whole number" +
+                             (" or auto" if f.default == "auto" else "")) from None
+    elif kind is float:
+        try:
+            value = float(value)
+        except (TypeError, ValueError):
+            raise DuokaError(f"{where} is not a number", "write a number such as 3e-4") from None
+    elif kind is str:
+        if not isinstance(value, str):
+            raise DuokaError(f"{where} is not a string", "quote the value in TOML")
+    if meta.get("choices") and value not in meta["choices"]:
+        raise DuokaError(f"{where} is not allowed", f"choose one of: {', '.join(meta['choices'])}")
+    lo, hi = meta.get("min"), meta.get("max")
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
+        raise DuokaError(f"{where} is out of range", f"{name} must be {rng}")
+    return value
+
+
+def _set(cfg: Config, section: str, key: str, value: Any, origin: str) -> None:
+    name = f"{section}.{key}"
+    if section not in SECTIONS:
+        raise _unknown(name, cfg, origin)
+    known = _section_fields(cfg, section)
+    if key not in known:
+        raise _unknown(name, cfg, origin)
+    setattr(getattr(cfg, section), key, _coerce(name, known[key], value, origin))
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise DuokaError(f"config file {path} does not exist", "pass the path of a TOML file (see configs/)")
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as e:
+            raise DuokaError(f"{path} is not valid TOML ({e})", "fix the syntax at the position given") from None
+        for section, values in data.items():
+            if not isinstance(values, dict):
+                raise _unknown(section, cfg, str(path))
+            for key, value in values.items():
+                _set(cfg, section, key, value, origin=str(path))
+    apply_overrides(cfg, overrides)
+    return cfg
+
+
+def apply_overrides(cfg: Config, overrides: list[str]) -> None:
+    """`--section.key=value` or `--section.key value`, as the CLI received them."""
+    items = list(overrides)
+    i = 0
+    while i < len(items):
+        arg = items[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise DuokaError(f"unexpected argument {arg!r}", "config overrides look like --training.steps=100")
+        name, eq, value = arg[2:].partition("=")
+        if not eq:
+            if i + 1 >= len(items) or items[i + 1].startswith("--"):
+                raise DuokaError(f"--{name} has no value", f"write --{name}=VALUE")
+            value = items[i + 1]
+            i += 1
+        section, _, key = name.partition(".")
+        _set(cfg, section.replace("-", "_"), key.replace("-", "_"), value, origin="command line")
+        i += 1
+
+
+def to_toml(cfg: Config) -> str:
+    """TOML for our own value types (str, int, float, bool): enough for config.toml."""
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)
+        return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+    lines = []
+    for section, values in cfg.to_dict().items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {fmt(v)}" for k, v in values.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def reference_markdown() -> str:
+    """docs/config.md, generated from the fields above."""
+    cfg = Config()
+    out = ["# Configuration reference", "",
+           "Generated from `duoka/config.py` by `python -m duoka.config > docs/config.md`.", "",
+           "Precedence, lowest to highest: defaults < the TOML file < `--section.key=value` flags on the "
+           "command line (in their order). Unknown keys and out-of-range values are refused before any "
+           "worker starts. The resolved config is saved as `config.toml` in the run directory.", ""]
+    for section in SECTIONS:
+        out += [f"## [{section}]", "", "| key | default | allowed | meaning |", "|---|---|---|---|"]
+        for f in fields(getattr(cfg, section)):
+            m = f.metadata
+            allowed = ", ".join(map(str, m["choices"])) if m.get("choices") else ""
+            if m.get("min") is not None:
+                allowed = f">= {m['min']}" if m.get("max") is None else f"{m['min']} to {m['max']}"
+                if f.default == "auto":
+                    allowed = f"auto or {allowed}"
+            out.append(f"| `{f.name}` | `{f.default!r}` | {allowed} | {m['help']} |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(reference_markdown(), end="")
