@@ -121,6 +121,49 @@ def _steady_rate(stamps: list[float]) -> str:
     return f", decode {(len(stamps) - 2) / (stamps[-1] - stamps[1]):.1f} tokens/s"
 
 
+# ---------------------------------------------------------------- train
+
+
+def add_train_parser(sub) -> None:
+    p = sub.add_parser(
+        "train", help="train a Qwen2 (no arguments: the debug model on the bundled corpus)",
+        description="Train on every visible GPU (or one CPU process). Config: defaults < CFG.toml < "
+                    "--section.key=value overrides; see docs/config.md.")
+    p.add_argument("config", nargs="?", help="TOML config file")
+    p.add_argument("--nproc-per-node", type=int, default=None, help="worker processes on this node "
+                   "(default: one per selected GPU, or 1 without GPUs)")
+    p.add_argument("--nnodes", type=int, default=1)
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of node 0 (c10d rendezvous)")
+    p.add_argument("--gpus", default=None, help="nvidia-smi indices (0,3) or auto:N for the N least busy GPUs")
+    p.set_defaults(func=run_train)
+
+
+def run_train(a: argparse.Namespace) -> int:
+    from duoka.parallel.launch import launch_training
+
+    launch_training(a.config, a.overrides, a.nproc_per_node, a.nnodes, a.node_rank, a.rdzv_endpoint, a.gpus, log=log)
+    return 0
+
+
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Take `--section.key=value` / `--section.key value` out before argparse sees them
+    (a dotted flag name is an override; its section is checked by the config)."""
+    rest, overrides = [], []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--") and "." in arg[2:].split("=", 1)[0]:
+            overrides.append(arg)
+            if "=" not in arg and i + 1 < len(argv):
+                overrides.append(argv[i + 1])
+                i += 1
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, overrides
+
+
 # ---------------------------------------------------------------- entry point
 
 
@@ -129,12 +172,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"duoka {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_generate_parser(sub)
+    add_train_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    overrides: list[str] = []
+    if argv and argv[0] == "train":
+        argv, overrides = split_overrides(argv)
     args = parser.parse_args(argv)
+    args.overrides = overrides
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return 2

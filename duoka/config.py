@@ -152,10 +152,10 @@ def _all_keys(cfg: Config) -> list[str]:
 
 
 def _unknown(name: str, cfg: Config, origin: str) -> DuokaError:
-    close = difflib.get_close_matches(name, _all_keys(cfg), n=1, cutoff=0.5)
-    if not close:  # a right key in the wrong section: training.lr -> optimizer.lr
-        tail = name.split(".")[-1]
-        close = [k for k in _all_keys(cfg) if k.split(".")[-1] == tail][:1]
+    tail = name.split(".")[-1]
+    # A right key in the wrong section first (training.lr -> optimizer.lr), then spelling.
+    close = [k for k in _all_keys(cfg) if k.split(".")[-1] == tail][:1]
+    close = close or difflib.get_close_matches(name, _all_keys(cfg), n=1, cutoff=0.5)
     hint = f"did you mean {close[0]}?" if close else "docs/config.md lists every key"
     return DuokaError(f"{origin}: unknown config key {name!r}", hint)
 
@@ -195,7 +195,7 @@ def _coerce(name: str, f: dataclasses.Field, value: Any, origin: str) -> Any:
     lo, hi = meta.get("min"), meta.get("max")
     if (lo is not None and value < lo) or (hi is not None and value > hi):
         rng = f">= {lo}" if hi is None else f"between {lo} and {hi}"
-        raise DuokaError(f"{where} is out of range", f"{name} must be {rng}")
+        raise DuokaError(f"{origin}: {name}={value!r} is out of range", f"{name} must be {rng}")
     return value
 
 

@@ -101,8 +101,9 @@ def _flavor(**kw) -> ModelArgs:
 # Vocab is 151936 up to 3B and 152064 from 7B; heads are 64-, 128-wide.
 FLAVORS: dict[str, ModelArgs] = {
     # Tiny shape for tests and the built-in demo: every feature (GQA ratio 2, tied head,
-    # QKV bias) is present, and it runs in milliseconds on a CPU.
-    "debug": ModelArgs(vocab_size=2048, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, intermediate_size=384,
+    # QKV bias) is present, and it runs in milliseconds on a CPU. Its vocabulary fits the
+    # tokenizer bundled in duoka/assets (4,096 entries), which the default run uses.
+    "debug": ModelArgs(vocab_size=4096, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, intermediate_size=384,
                        max_seq_len=2048, tie_word_embeddings=True),
     "qwen2-0.5b": _flavor(dim=896, n_layers=24, n_heads=14, n_kv_heads=2, intermediate_size=4864,
                           vocab_size=151936, tie_word_embeddings=True, max_seq_len=131072),

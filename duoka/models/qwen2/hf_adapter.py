@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from duoka.errors import DuokaError
 from duoka.hub import resolve_model_dir
 from duoka.models.qwen2.args import ModelArgs, from_hf_config, to_hf_config
-from duoka.models.qwen2.model import Qwen2, build_model, materialize
+from duoka.models.qwen2.model import Qwen2, build_model, materialize, write_full_
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -180,10 +180,8 @@ def load_hf_weights(model: Qwen2, folder: Path, allow_unused: bool = False) -> N
                          "the weights and config.json come from different models, or the files are damaged")
 
     params = model.state_dict()
-    with torch.no_grad():
-        for hf_name in expected:
-            path = files[hf_name]
-            params[hf_to_duoka(hf_name)].copy_(handles[path].get_tensor(hf_name))
+    for hf_name in expected:
+        write_full_(params[hf_to_duoka(hf_name)], handles[files[hf_name]].get_tensor(hf_name))
 
 
 def _short(names: list[str], limit: int = 12) -> str:
@@ -225,11 +223,11 @@ def parse_size(size: int | str) -> int:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").lower()])
 
 
-def hf_state_dict(model: Qwen2) -> dict[str, torch.Tensor]:
-    """Parameters under transformers' names, the tied head left out as HF does."""
+def hf_state_dict(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """duoka-named tensors under transformers' names, the tied head left out as HF does."""
     out = {}
-    for name, tensor in model.state_dict().items():
-        if name == "output.weight" and model.args.tie_word_embeddings:
+    for name, tensor in state_dict.items():
+        if name == "output.weight" and args.tie_word_embeddings:
             continue
         out[duoka_to_hf(name)] = tensor
     return out
@@ -259,12 +257,25 @@ def save_hf_checkpoint(
     """Write `model` as a Hugging Face folder that Qwen2ForCausalLM.from_pretrained reads.
 
     extra_files (tokenizer.json, tokenizer_config.json, ...) are copied alongside."""
+    return save_hf_state_dict(model.state_dict(), model.args, out_dir, max_shard_size, dtype, extra_files)
+
+
+def save_hf_state_dict(
+    state_dict: dict[str, torch.Tensor],
+    args: ModelArgs,
+    out_dir: str | Path,
+    max_shard_size: int | str = "5GB",
+    dtype: torch.dtype | None = None,
+    extra_files: Iterable[Path] = (),
+) -> Path:
+    """The same from a full, duoka-named state dict (what a sharded model gathers)."""
     out = Path(out_dir)
     limit = parse_size(max_shard_size)
-    tensors = hf_state_dict(model)
+    tensors = hf_state_dict(state_dict, args)
     itemsize = (dtype or next(iter(tensors.values())).dtype).itemsize
     shards = plan_shards(((n, t.numel() * itemsize) for n, t in tensors.items()), limit)
 
+    out.parent.mkdir(parents=True, exist_ok=True)
     stage = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
@@ -282,7 +293,7 @@ def save_hf_checkpoint(
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (stage / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
         saved_dtype = dtype or next(iter(tensors.values())).dtype
-        config = to_hf_config(model.args, dtype=str(saved_dtype).removeprefix("torch."))
+        config = to_hf_config(args, dtype=str(saved_dtype).removeprefix("torch."))
         (stage / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
         for extra in extra_files:
             extra = Path(extra)

@@ -13,11 +13,27 @@ RMSNorm, grouped-query attention with biases on q/k/v, rotary position embedding
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from duoka.models.qwen2.args import ModelArgs
+
+
+def write_full_(param: torch.Tensor, full: torch.Tensor) -> None:
+    """Write a full (unsharded) value into a parameter that may be a DTensor shard once
+    the model is parallelized. Every rank holds the same full value, so each slices out
+    its own shard locally (src_data_rank=None: no communication)."""
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            full = full.to(device=param.to_local().device, dtype=param.dtype)
+            param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements,
+                                                     src_data_rank=None).to_local())
+        else:
+            param.copy_(full)
 
 
 class RMSNorm(nn.Module):
@@ -156,23 +172,30 @@ class Qwen2(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     @torch.no_grad()
-    def init_weights(self, seed: int | None = None):
+    def init_weights(self, seed: int = 0):
         """Random init as transformers' Qwen2PreTrainedModel: normal(0, initializer_range)
-        for linear and embedding weights, zero biases, unit norms. Works on a model that
-        was built on meta and moved with to_empty."""
-        gen = None
-        if seed is not None:
-            device = next(self.parameters()).device
-            gen = torch.Generator(device=device).manual_seed(seed)
-        std = self.args.initializer_range
+        for linear and embedding weights, zero biases, unit norms.
+
+        Each parameter's values are a function of (seed, its name) only, drawn in full and
+        then written into whatever shard this rank holds. So a model initialises to the
+        same weights on one process and under any DDP/FSDP layout, which is what lets the
+        equivalence tests compare layouts step by step. Works after meta + to_empty."""
         self.tie_weights()
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                module.weight.normal_(0.0, std, generator=gen)
-                if getattr(module, "bias", None) is not None:
-                    module.bias.zero_()
-            elif isinstance(module, RMSNorm):
-                module.reset_parameters()
+        std = self.args.initializer_range
+        seen = set()
+        for name, param in self.named_parameters():
+            if id(param) in seen:  # the tied head was written with the embedding
+                continue
+            seen.add(id(param))
+            local = param.to_local() if isinstance(param, DTensor) else param
+            if name.endswith("norm.weight"):
+                full = torch.ones(param.shape, device=local.device, dtype=torch.float32)
+            elif name.endswith(".bias"):
+                full = torch.zeros(param.shape, device=local.device, dtype=torch.float32)
+            else:
+                gen = torch.Generator(device=local.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                full = torch.empty(param.shape, device=local.device, dtype=torch.float32).normal_(0.0, std, generator=gen)
+            write_full_(param, full)
 
     def forward(
         self,

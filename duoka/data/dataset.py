@@ -1,0 +1,200 @@
+"""A first data path: text or JSONL documents, tokenized once into a cached token array,
+packed into fixed windows, and served in a global deterministic order.
+
+Documents are joined with an end-of-text token between them and cut into windows of
+seq_len + 1 tokens (inputs and shifted labels), so no token is wasted on padding.
+Attention may cross a document boundary here; document masking, `duoka prepare` and
+resumable sampling are the data issue's.
+
+The order is global: the samples of step s are positions [s*B, (s+1)*B) of an endless
+stream of per-epoch permutations seeded by (seed, epoch). Data-parallel rank r takes a
+contiguous slice of that global batch. The global batch is therefore the same set of
+samples whatever the number of ranks or micro-batches, which is what makes every layout
+compute the same gradient.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from duoka.errors import DuokaError
+
+RANDOM_DATA = "random"
+
+
+def bundled_corpus() -> Path:
+    return Path(str(resources.files("duoka") / "assets" / "corpus" / "stdlib_docstrings.jsonl.gz"))
+
+
+def corpus_files(path: Path) -> list[Path]:
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.name.endswith((".txt", ".jsonl", ".jsonl.gz")))
+        if not files:
+            raise DuokaError(f"data folder {path} has no .txt, .jsonl or .jsonl.gz files",
+                             "point data.path at a file or a folder of such files")
+        return files
+    if not path.is_file():
+        raise DuokaError(f"data.path {path} does not exist", "pass a .txt/.jsonl file or a folder of them")
+    if not path.name.endswith((".txt", ".jsonl", ".jsonl.gz")):
+        raise DuokaError(f"data.path {path} is not .txt, .jsonl or .jsonl.gz",
+                         "convert it to JSONL with one {\"text\": ...} object per line")
+    return [path]
+
+
+def iter_documents(path: Path, text_field: str) -> Iterator[str]:
+    if path.name.endswith(".txt"):
+        # One document per block separated by a blank line.
+        block: list[str] = []
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    block.append(line)
+                elif block:
+                    yield "".join(block).rstrip("\n")
+                    block = []
+        if block:
+            yield "".join(block).rstrip("\n")
+        return
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DuokaError(f"{path}:{lineno} is not valid JSON ({e.msg})",
+                                 "fix or remove that line (each line must be one JSON object)") from None
+            text = record.get(text_field) if isinstance(record, dict) else None
+            if not isinstance(text, str):
+                raise DuokaError(f"{path}:{lineno} has no string field {text_field!r}",
+                                 f"set data.text_field to the field that holds the text (keys here: "
+                                 f"{', '.join(record) if isinstance(record, dict) else type(record).__name__})")
+            yield text
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("DUOKA_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "duoka")
+    return Path(base).expanduser() / "tokens"
+
+
+def tokenize_corpus(path: Path, tokenizer, text_field: str = "text") -> Path:
+    """Token ids of all documents, end-of-text between them, as a cached uint32 .npy file.
+
+    The cache key covers the files (path, size, mtime), the tokenizer's content hash and
+    the field, so a changed corpus or tokenizer is tokenized again."""
+    files = corpus_files(path)
+    eot = tokenizer.token_to_id("<|endoftext|>")
+    if eot is None:
+        eot = tokenizer.eos_id
+    if eot is None:
+        raise DuokaError(f"tokenizer {tokenizer.folder} has no <|endoftext|> or eos token to separate documents",
+                         "use a Qwen2 tokenizer")
+    key = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        key.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    key.update(f"{tokenizer.fingerprint}|{text_field}|{eot}".encode())
+    out = _cache_dir() / f"{key.hexdigest()[:24]}.npy"
+    if out.is_file():
+        return out
+
+    chunks, batch = [], []
+
+    def flush():
+        for ids in tokenizer.encode_batch(batch, add_special_tokens=False):
+            chunks.append(np.asarray(ids + [eot], dtype=np.uint32))
+        batch.clear()
+
+    for f in files:
+        for doc in iter_documents(f, text_field):
+            batch.append(doc)
+            if len(batch) >= 1024:
+                flush()
+    flush()
+    if not chunks:
+        raise DuokaError(f"data.path {path} holds no documents", "check the files and data.text_field")
+    tokens = np.concatenate(chunks)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(f".{os.getpid()}.tmp.npy")
+    np.save(tmp, tokens)
+    os.replace(tmp, out)  # atomic: concurrent launchers never read a half-written cache
+    return out
+
+
+class PackedWindows:
+    """Window i = tokens[i*seq_len : i*seq_len + seq_len + 1] (input and shifted label)."""
+
+    def __init__(self, token_file: Path, seq_len: int):
+        self.tokens = np.load(token_file, mmap_mode="r")
+        self.seq_len = seq_len
+        self.n = (len(self.tokens) - 1) // seq_len
+        if self.n < 1:
+            raise DuokaError(f"the corpus has {len(self.tokens)} tokens, fewer than one window of "
+                             f"training.seq_len + 1 = {seq_len + 1}", "use more data or a shorter training.seq_len")
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        start = i * self.seq_len
+        return torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
+
+
+class RandomTokens:
+    """Uniform random tokens, a pure function of the sample index (for throughput runs)."""
+
+    def __init__(self, vocab_size: int, seq_len: int, seed: int):
+        self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+        self.n = 2**40
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(hash((self.seed, i)) & 0x7FFFFFFFFFFFFFFF)
+        return torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=g)
+
+
+def global_batch_indices(step: int, global_batch: int, n_samples: int, seed: int) -> list[int]:
+    """Sample indices of optimizer step `step` (0-based): a function of (seed, step) only."""
+    out = []
+    for pos in range(step * global_batch, (step + 1) * global_batch):
+        epoch, offset = divmod(pos, n_samples)
+        out.append(int(_permutation(n_samples, seed, epoch)[offset]))
+    return out
+
+
+_PERM_CACHE: dict[tuple[int, int, int], np.ndarray] = {}
+
+
+def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+    if n > 2**32:  # RandomTokens: every index is already random, no shuffle needed
+        return _Identity()
+    key = (n, seed, epoch)
+    if key not in _PERM_CACHE:
+        _PERM_CACHE.clear()  # one epoch at a time is all a run needs
+        _PERM_CACHE[key] = np.random.default_rng([seed, epoch]).permutation(n)
+    return _PERM_CACHE[key]
+
+
+class _Identity:
+    def __getitem__(self, i):
+        return i
+
+
+def rank_batches(dataset, step: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,
+                 seed: int) -> list[torch.Tensor]:
+    """This rank's micro-batches for `step`, each [micro_batch, seq_len + 1]."""
+    per_rank = global_batch // dp_size
+    indices = global_batch_indices(step, global_batch, len(dataset), seed)[dp_rank * per_rank : (dp_rank + 1) * per_rank]
+    return [torch.stack([dataset[i] for i in indices[k : k + micro_batch]]) for k in range(0, per_rank, micro_batch)]

@@ -1,0 +1,242 @@
+"""`duoka train`: resolve and check everything once, then start the workers through
+PyTorch's elastic launcher (the machinery behind torchrun) with c10d rendezvous.
+
+All checks that can fail on user input run here, before a single worker starts: config
+keys and ranges, the model and tokenizer, the parallel layout against the process count,
+the batch arithmetic, the data. Workers that still fail write their error to the run
+directory, and the launcher turns it into one message.
+
+Multi-node: run the same command on every node with --nnodes, --node-rank and the same
+--rdzv-endpoint HOST:PORT (node 0's address); under Slurm, one task per node:
+    srun --nodes=2 --ntasks-per-node=1 duoka train cfg.toml --nnodes 2 \
+        --node-rank $SLURM_NODEID --rdzv-endpoint $(scontrol show hostnames | head -1):29500
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+
+from duoka.config import Config, load_config, to_toml
+from duoka.errors import DuokaError
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host if host not in ("localhost",) else "127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def parse_endpoint(endpoint: str) -> tuple[str, int]:
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise DuokaError(f"--rdzv-endpoint {endpoint!r} is not HOST:PORT", "write e.g. --rdzv-endpoint node0:29500")
+    return host, int(port)
+
+
+def bundled_tokenizer_dir() -> Path:
+    from duoka.cli import bundled_model_dir
+
+    return bundled_model_dir()
+
+
+def resolve_model(cfg: Config):
+    """(ModelArgs, folder to load weights from or None, tokenizer folder or None)."""
+    from duoka.hub import resolve_model_dir
+    from duoka.models.qwen2.args import get_flavor
+    from duoka.models.qwen2.hf_adapter import read_config, weight_files
+
+    if cfg.model.path:
+        folder = resolve_model_dir(cfg.model.path)
+        args = read_config(folder)
+        weight_files(folder)  # fails now, not in every worker, if the weights are missing
+        tokenizer = Path(cfg.model.tokenizer) if cfg.model.tokenizer else folder
+        return args, folder, tokenizer
+    args = get_flavor(cfg.model.flavor)
+    if cfg.model.tokenizer:
+        return args, None, resolve_model_dir(cfg.model.tokenizer)
+    if cfg.model.flavor == "debug":
+        return args, None, bundled_tokenizer_dir()
+    return args, None, None
+
+
+def run_directory(cfg: Config, node_rank: int) -> Path:
+    if cfg.job.output_dir:
+        run_dir = Path(cfg.job.output_dir)
+    else:
+        name = (Path(cfg.model.path).name if cfg.model.path else cfg.model.flavor) + time.strftime("-%Y%m%d-%H%M%S")
+        run_dir = Path("runs") / name
+    if node_rank == 0 and (run_dir / "metrics.jsonl").exists():
+        raise DuokaError(f"run directory {run_dir} already holds a run (metrics.jsonl)",
+                         "choose a new job.output_dir (resuming arrives with distributed checkpoints)")
+    return run_dir
+
+
+def launch_training(
+    config_path: str | None,
+    overrides: list[str],
+    nproc_per_node: int | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    gpus: str | None = None,
+    log=print,
+) -> Path:
+    from duoka.data.dataset import RANDOM_DATA, bundled_corpus, tokenize_corpus
+    from duoka.data.tokenizer import Tokenizer
+    from duoka.parallel.devices import device_env, read_gpus, select_gpus
+    from duoka.parallel.dims import ParallelDims
+    from duoka.train.optim import plan_batch
+    from duoka.train.trainer import WorkerSpec
+
+    cfg = load_config(config_path, overrides)
+    if nnodes < 1 or not 0 <= node_rank < nnodes:
+        raise DuokaError(f"--node-rank {node_rank} with --nnodes {nnodes}", "node ranks run from 0 to nnodes - 1")
+    if nnodes > 1 and not rdzv_endpoint:
+        raise DuokaError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT", "give node 0's address and a free port on it")
+
+    # Devices. NVML sees every GPU whatever CUDA_VISIBLE_DEVICES says.
+    env: dict[str, str] = {}
+    gpu_list = read_gpus()
+    if gpu_list:
+        chosen = select_gpus(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"), gpu_list)
+        if not chosen:
+            raise DuokaError("CUDA_VISIBLE_DEVICES leaves no GPU visible", "unset it or list GPU indices in it")
+        env.update(device_env(chosen))
+        if nproc_per_node is None:
+            nproc_per_node = len(chosen)
+        elif nproc_per_node > len(chosen):
+            raise DuokaError(f"--nproc-per-node {nproc_per_node} but only {len(chosen)} GPUs are selected ({chosen})",
+                             "one process drives one GPU: lower --nproc-per-node or select more GPUs")
+    else:
+        if gpus is not None:
+            select_gpus(gpus, None, [])  # raises: no GPU
+        nproc_per_node = nproc_per_node or 1
+    if nproc_per_node < 1:
+        raise DuokaError(f"--nproc-per-node {nproc_per_node} must be >= 1")
+    world = nproc_per_node * nnodes
+
+    # Everything a worker would otherwise discover late.
+    args, model_dir, tokenizer_dir = resolve_model(cfg)
+    dims = ParallelDims.from_config(cfg.parallel, world)
+    if cfg.training.micro_batch_size != "auto":
+        plan_batch(cfg.training.global_batch_size, dims.dp_size, cfg.training.micro_batch_size)
+    elif cfg.training.global_batch_size % dims.dp_size:
+        plan_batch(cfg.training.global_batch_size, dims.dp_size, 1)
+    if cfg.training.seq_len > args.max_seq_len:
+        raise DuokaError(f"training.seq_len={cfg.training.seq_len} exceeds the model's {args.max_seq_len} positions",
+                         f"use training.seq_len <= {args.max_seq_len}")
+
+    tokenizer_files: list[str] = []
+    token_file = None
+    if cfg.data.path == RANDOM_DATA:
+        if tokenizer_dir is not None:
+            tokenizer_files = _tokenizer_files(tokenizer_dir)
+    else:
+        if tokenizer_dir is None:
+            raise DuokaError(f"model.flavor={cfg.model.flavor} has no tokenizer to read data.path with",
+                             "set model.tokenizer to a Qwen2 tokenizer folder (or a hub id such as Qwen/Qwen2-7B)")
+        tokenizer = Tokenizer(tokenizer_dir)
+        if tokenizer.vocab_size > args.vocab_size:
+            raise DuokaError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary is "
+                             f"{args.vocab_size}", "use the model's own tokenizer, or a flavor with a larger vocabulary")
+        data_path = Path(cfg.data.path) if cfg.data.path else bundled_corpus()
+        t = time.perf_counter()
+        token_file = str(tokenize_corpus(data_path, tokenizer, cfg.data.text_field))
+        log(f"duoka: data {data_path} -> {token_file} ({time.perf_counter() - t:.1f} s)")
+        tokenizer_files = _tokenizer_files(tokenizer_dir)
+
+    run_dir = run_directory(cfg, node_rank)
+    cfg.job.output_dir = str(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for stale in run_dir.glob("error-rank*.json"):
+        stale.unlink()
+    if node_rank == 0:
+        (run_dir / "config.toml").write_text(to_toml(cfg))
+
+    spec = WorkerSpec(config=cfg.to_dict(), run_dir=str(run_dir), model_args=asdict(args),
+                      model_dir=str(model_dir) if model_dir else None, token_file=token_file,
+                      tokenizer_files=tokenizer_files)
+    if not gpu_list and "OMP_NUM_THREADS" not in os.environ:
+        # CPU workers share the cores; without this each starts one thread per core and
+        # they oversubscribe the machine (torchrun sets 1; a fair share is faster).
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc_per_node))
+    os.environ.update(env)
+    log(f"duoka: {world} process(es) ({nnodes} node(s) x {nproc_per_node}), run directory {run_dir}")
+    _run_workers(spec, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
+    return run_dir
+
+
+def _tokenizer_files(folder: Path) -> list[str]:
+    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+             "generation_config.json")
+    return [str(folder / n) for n in names if (folder / n).is_file()]
+
+
+def _run_workers(spec, nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None) -> None:
+    from duoka.train.trainer import worker_main
+
+    if nnodes == 1 and nproc_per_node == 1:
+        # One process: run in this one, no agent to start (faster, and debuggers work).
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        try:
+            worker_main(spec)
+        except SystemExit:
+            _raise_worker_error(spec.run_dir)
+            raise
+        return
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if rdzv_endpoint is None:
+        endpoint = f"127.0.0.1:{free_port()}"
+    else:
+        host, port = parse_endpoint(rdzv_endpoint)
+        endpoint = rdzv_endpoint
+        if node_rank == 0 and not port_is_free(host, port):
+            if nnodes == 1:
+                new = free_port()
+                print(f"duoka: rendezvous port {port} is in use; using {new} instead")
+                endpoint = f"{host}:{new}"
+            else:
+                raise DuokaError(f"rendezvous port {port} on {host} is already in use (another job, or a stale one)",
+                                 f"pick another port for every node, e.g. --rdzv-endpoint {host}:{free_port()}")
+    config = LaunchConfig(
+        min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc_per_node,
+        # Every node derives the same id from the endpoint they share.
+        run_id=os.environ.get("DUOKA_RUN_ID") or str(uuid.uuid5(uuid.NAMESPACE_URL, endpoint)),
+        rdzv_backend="c10d", rdzv_endpoint=endpoint,
+        rdzv_configs={"is_host": node_rank == 0, "join_timeout": 600} if nnodes > 1 else {"is_host": True},
+        max_restarts=0, monitor_interval=0.5, start_method="spawn",
+    )
+    try:
+        elastic_launch(config, worker_main)(spec)
+    except ChildFailedError:
+        _raise_worker_error(spec.run_dir)
+        raise
+
+
+def _raise_worker_error(run_dir: str) -> None:
+    errors = sorted(Path(run_dir).glob("error-rank*.json"))
+    if not errors:
+        return
+    first = json.loads(errors[0].read_text())
+    ranks = ", ".join(e.stem.removeprefix("error-rank") for e in errors)
+    raise DuokaError(f"training stopped on rank(s) {ranks}: {first['cause']}", first["fix"])

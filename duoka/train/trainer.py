@@ -1,0 +1,331 @@
+"""The training loop, run by every worker process. Explicit, top to bottom:
+
+    set up the process group and mesh -> build the model on meta -> parallelize ->
+    allocate + init (or load) -> for each step: this rank's micro-batches, the global
+    target-token count, forward/backward with accumulation, clip, optimizer, metrics ->
+    Hugging Face export at the checkpoint interval and at the end.
+
+Exactness: each micro-batch's loss is its summed cross-entropy divided by the number of
+target tokens in the whole global batch (all ranks, all micro-batches), times the
+data-parallel size to undo the mean that DDP and FSDP take over ranks. The summed
+gradient is then exactly the gradient of the mean loss over the global batch, whatever
+the layout or accumulation (tests/distributed checks 1 process = DDP = FSDP2 = HSDP).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from duoka.config import Config
+from duoka.data.dataset import RANDOM_DATA, PackedWindows, RandomTokens, rank_batches
+from duoka.errors import DuokaError
+from duoka.models.qwen2.args import ModelArgs
+from duoka.models.qwen2.hf_adapter import load_hf_weights, save_hf_state_dict
+from duoka.models.qwen2.model import build_model
+from duoka.models.qwen2.parallelize import parallelize_qwen2, unwrap
+from duoka.monitor.metrics import MetricsFile, mfu, peak_flops
+from duoka.parallel.dims import ParallelDims
+from duoka.plan.memory import largest_fitting_micro_batch
+from duoka.train.optim import build_optimizer, effective_lr, lr_at, plan_batch
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class WorkerSpec:
+    """Everything the launcher resolved for the workers (plain data: it is pickled to them)."""
+
+    config: dict
+    run_dir: str
+    model_args: dict
+    model_dir: str | None  # HF folder to load weights from, None for random init
+    token_file: str | None  # cached token ids, None for random data
+    tokenizer_files: list[str]
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    """Entry point of each worker process (started by the elastic launcher or in process)."""
+    rank = int(os.environ.get("RANK", 0))
+    try:
+        Trainer(spec).train()
+    except DuokaError as e:
+        _report_error(spec.run_dir, rank, e.cause, e.fix)
+        raise SystemExit(2)
+    except torch.OutOfMemoryError:
+        cfg = spec.config
+        _report_error(spec.run_dir, rank,
+                      f"CUDA out of memory on rank {rank} (micro-batch {cfg['training']['micro_batch_size']}, "
+                      f"seq_len {cfg['training']['seq_len']})",
+                      "lower training.micro_batch_size (or set it to auto), set training.activation_checkpointing="
+                      "full, or shard with parallel.dp_mode=fsdp")
+        raise SystemExit(2)
+    except Exception:
+        _report_error(spec.run_dir, rank, f"worker {rank} crashed:\n{traceback.format_exc()}", None)
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _report_error(run_dir: str, rank: int, cause: str, fix: str | None) -> None:
+    """Leave the error where the launcher finds it, so the user reads one clear message
+    instead of a wall of tracebacks from every rank."""
+    path = Path(run_dir) / f"error-rank{rank}.json"
+    with contextlib.suppress(OSError):
+        path.write_text(json.dumps({"rank": rank, "cause": cause, "fix": fix}))
+
+
+class Trainer:
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+        self.cfg = cfg = Config.from_dict(spec.config)
+        self.run_dir = Path(spec.run_dir)
+        self.args = ModelArgs(**spec.model_args)
+
+        self.rank = int(os.environ.get("RANK", 0))
+        self.world = int(os.environ.get("WORLD_SIZE", 1))
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        if not dist.is_initialized():
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            kwargs = {"device_id": self.device} if self.device.type == "cuda" else {}
+            dist.init_process_group(backend, rank=self.rank, world_size=self.world, **kwargs)
+
+        self.dims = ParallelDims.from_config(cfg.parallel, self.world)
+        self.mesh = self.dims.build_mesh(self.device.type)
+        # All ranks are data-parallel for now; with tp/pp this becomes the dp coordinate.
+        self.dp_rank, self.dp_size = self.rank, self.dims.dp_size
+
+        dtype = cfg.training.dtype
+        if dtype == "auto":
+            dtype = "bf16" if self.device.type == "cuda" else "fp32"
+        self.compute_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+
+        self.model = self._build_model()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+
+        if spec.token_file is None:
+            self.data = RandomTokens(self.args.vocab_size, cfg.training.seq_len, cfg.training.seed)
+        else:
+            self.data = PackedWindows(Path(spec.token_file), cfg.training.seq_len)
+        mb = cfg.training.micro_batch_size
+        if mb == "auto":
+            mb = self._auto_micro_batch()
+        self.batch = plan_batch(cfg.training.global_batch_size, self.dp_size, mb)
+
+        self.peak_lr = effective_lr(cfg.optimizer, cfg.training.global_batch_size)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.peak_lr, self.device.type)
+        self.peak = peak_flops(torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None,
+                               cfg.metrics.peak_tflops)
+        self.flops_per_token = self.args.flops_per_token(cfg.training.seq_len)
+
+    # ------------------------------------------------------------------ setup
+
+    def _build_model(self):
+        cfg = self.cfg
+        model = build_model(self.args)  # meta: no memory yet
+        if self.dims.fsdp:
+            model = parallelize_qwen2(model, self.dims, self.mesh, cfg, self.compute_dtype)
+            model.to_empty(device=self.device)  # each rank allocates only its shards
+            self._fill(model)
+            return model
+        model.to_empty(device=self.device)
+        model.tie_weights()
+        self._fill(model)
+        return parallelize_qwen2(model, self.dims, self.mesh, cfg, self.compute_dtype)
+
+    def _fill(self, model) -> None:
+        if self.spec.model_dir:
+            load_hf_weights(model, Path(self.spec.model_dir))
+        else:
+            model.init_weights(seed=self.cfg.training.seed)
+
+    def _auto_micro_batch(self) -> int:
+        per_rank = self.cfg.training.global_batch_size // self.dp_size
+        if self.cfg.training.global_batch_size % self.dp_size:
+            plan_batch(self.cfg.training.global_batch_size, self.dp_size, 1)  # raises with the arithmetic
+        if self.device.type != "cuda":
+            return per_rank  # host memory is rarely the limit for the models a CPU can train
+        free, _ = torch.cuda.mem_get_info(self.device)
+        shard = self.dims.dp_shard if self.dims.fsdp else 1
+        mb = largest_fitting_micro_batch(self.args, per_rank, self.cfg.training.seq_len, shard,
+                                         self.cfg.training.activation_checkpointing == "full",
+                                         free + torch.cuda.memory_allocated(self.device))
+        # Ranks may see different free memory (another process on one GPU): agree on the smallest.
+        t = torch.tensor([mb], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return int(t.item())
+
+    # ------------------------------------------------------------------ loop
+
+    def _sync_context(self, last: bool):
+        """Skip the gradient reduction on all but the last micro-batch of a step."""
+        if self.dims.fsdp:
+            self.model.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
+        if not last and hasattr(self.model, "no_sync"):
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def _autocast(self):
+        # FSDP casts parameters itself (MixedPrecisionPolicy); DDP runs under autocast.
+        if self.compute_dtype == torch.float32 or self.dims.fsdp:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.compute_dtype)
+
+    def train(self) -> None:
+        cfg, steps = self.cfg, self.cfg.training.steps
+        is_main = self.rank == 0
+        metrics = MetricsFile(self.run_dir / "metrics.jsonl") if is_main else None
+        console = _Console() if is_main else None
+        if console:
+            console.banner(self)
+        tokens_seen = 0
+        started = time.perf_counter()
+        self.model.train()
+        for step in range(steps):
+            t0 = time.perf_counter()
+            micro = rank_batches(self.data, step, cfg.training.global_batch_size, self.batch.micro_batch,
+                                 self.dp_rank, self.dp_size, cfg.training.seed)
+            micro = [b.to(self.device, non_blocking=True) for b in micro]
+            local_tokens = sum(int((b[:, 1:] != IGNORE_INDEX).sum()) for b in micro)
+            t_data = time.perf_counter() - t0
+
+            global_tokens = torch.tensor(float(local_tokens), device=self.device)
+            dist.all_reduce(global_tokens)
+            loss_sum = torch.zeros((), device=self.device)
+            for i, batch in enumerate(micro):
+                inputs, labels = batch[:, :-1], batch[:, 1:]
+                with self._sync_context(last=i == len(micro) - 1):
+                    with self._autocast():
+                        logits = self.model(inputs)
+                    ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum",
+                                         ignore_index=IGNORE_INDEX)
+                    (ce * self.dp_size / global_tokens).backward()
+                loss_sum += ce.detach()
+
+            max_norm = cfg.training.grad_clip if cfg.training.grad_clip > 0 else math.inf
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+            lr = lr_at(step, steps, self.peak_lr, cfg.optimizer)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            step_time = time.perf_counter() - t0
+
+            # One small all-gather carries every rank's figures for the metrics line.
+            mine = torch.tensor([loss_sum.item(), local_tokens, step_time, t_data], device=self.device,
+                                dtype=torch.float64)
+            gathered = [torch.zeros_like(mine) for _ in range(self.world)]
+            dist.all_gather(gathered, mine)
+            per_rank = torch.stack(gathered).cpu()
+            step_tokens = int(per_rank[:, 1].sum())
+            tokens_seen += step_tokens
+            slowest = float(per_rank[:, 2].max())
+            tps = step_tokens / slowest
+            record = {
+                "step": step + 1,
+                "loss": float(per_rank[:, 0].sum() / per_rank[:, 1].sum()),
+                "lr": lr,
+                "grad_norm": float(grad_norm),
+                "tokens": tokens_seen,
+                "tokens_per_s": tps,
+                "tokens_per_s_per_gpu": tps / self.world,
+                "mfu": mfu(self.flops_per_token, tps, self.world, self.peak),
+                "step_time_s": slowest,
+                "data_time_s": float(per_rank[:, 3].max()),
+                "per_rank": {
+                    "loss": [float(r[0] / r[1]) for r in per_rank],
+                    "step_time_s": [float(r[2]) for r in per_rank],
+                    "data_time_s": [float(r[3]) for r in per_rank],
+                },
+            }
+            if self.device.type == "cuda":
+                record["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            if metrics:
+                metrics.write(record)
+            if console and ((step + 1) % cfg.metrics.log_interval == 0 or step + 1 == steps or step == 0):
+                console.progress(record, steps, time.perf_counter() - started)
+            if cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0 and step + 1 != steps:
+                self.export(step + 1)
+        final = self.export(steps)
+        if metrics:
+            metrics.close()
+        if console:
+            console.done(self.run_dir, final, time.perf_counter() - started)
+
+    # ------------------------------------------------------------------ export
+
+    def export(self, step: int) -> Path:
+        """Model weights in Hugging Face format under checkpoints/step-N (all ranks gather,
+        rank 0 writes)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        out = self.run_dir / "checkpoints" / f"step-{step}"
+        model = unwrap(self.model)
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            state = {_clean_name(k): v for k, v in state.items()}
+            if self.args.tie_word_embeddings:
+                state.setdefault("output.weight", state["tok_embeddings.weight"])
+            save_hf_state_dict(state, self.args, out, extra_files=[Path(f) for f in self.spec.tokenizer_files])
+        dist.barrier()
+        return out
+
+
+def _clean_name(name: str) -> str:
+    for wrapper in ("_orig_mod.", "_checkpoint_wrapped_module.", "module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+class _Console:
+    """Rank 0's progress lines on stderr (rich), so stdout stays free for results."""
+
+    def __init__(self):
+        from rich.console import Console
+
+        self.out = Console(stderr=True, highlight=False, soft_wrap=True)
+
+    def banner(self, t: Trainer) -> None:
+        b = t.batch
+        self.out.print(
+            f"[bold]duoka train[/] {t.args.num_params() / 1e6:.1f}M parameters | {t.dims.describe()} on "
+            f"{t.world} x {t.device.type} | {str(t.compute_dtype).removeprefix('torch.')} | global batch "
+            f"{b.global_batch} = micro-batch {b.micro_batch} x accumulation {b.accumulation} x dp {b.dp_size} | "
+            f"seq {t.cfg.training.seq_len} | peak lr {t.peak_lr:.3g}")
+
+    def progress(self, r: dict, steps: int, elapsed: float) -> None:
+        eta = elapsed / r["step"] * (steps - r["step"])
+        mfu_text = f" | MFU {100 * r['mfu']:.1f}%" if r["mfu"] is not None else ""
+        self.out.print(f"step {r['step']:>5}/{steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
+                       f"{r['tokens_per_s']:,.0f} tok/s{mfu_text} | {r['step_time_s']:.2f} s/step | "
+                       f"ETA {_duration(eta)}")
+
+    def done(self, run_dir: Path, final: Path, elapsed: float) -> None:
+        self.out.print(f"[bold green]done[/] in {_duration(elapsed)}. Run directory: {run_dir}")
+        self.out.print(f"Try it:  duoka generate --model {final} --prompt \"Return the\"")
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"

@@ -1,0 +1,67 @@
+import pytest
+
+from duoka.config import Config, load_config, reference_markdown, to_toml
+from duoka.errors import DuokaError
+
+
+def write(tmp_path, text):
+    p = tmp_path / "cfg.toml"
+    p.write_text(text)
+    return p
+
+
+def test_precedence_defaults_file_then_overrides(tmp_path):
+    path = write(tmp_path, '[training]\nsteps = 50\nseq_len = 64\n[optimizer]\nlr = 1e-4\n')
+    cfg = load_config(path, ["--training.steps=7", "--optimizer.lr", "2e-4", "--training.steps=9"])
+    assert cfg.training.steps == 9  # the last flag wins
+    assert cfg.training.seq_len == 64  # from the file
+    assert cfg.optimizer.lr == 2e-4
+    assert cfg.training.global_batch_size == Config().training.global_batch_size  # default
+
+
+def test_resolved_config_round_trips_through_toml(tmp_path):
+    cfg = load_config(None, ["--training.micro_batch_size=4", "--parallel.dp_mode=fsdp", "--job.output_dir=a \"b\""])
+    again = load_config(write(tmp_path, to_toml(cfg)))
+    assert again == cfg
+
+
+@pytest.mark.parametrize("args, cause, fix", [
+    (["--training.step=5"], "unknown config key 'training.step'", "did you mean training.steps?"),
+    (["--training.lr=0.1"], "unknown config key 'training.lr'", "did you mean optimizer.lr?"),
+    (["--trainig.steps=5"], "unknown config key 'trainig.steps'", "did you mean training.steps?"),
+    (["--training.steps=0"], "training.steps=0 is out of range", "must be >= 1"),
+    (["--training.steps=ten"], "training.steps='ten' is not an integer", "whole number"),
+    (["--training.micro_batch_size=big"], "is not an integer", "or auto"),
+    (["--optimizer.min_lr_ratio=2"], "out of range", "between 0.0 and 1.0"),
+    (["--parallel.dp_mode=zero3"], "parallel.dp_mode='zero3' is not allowed", "ddp, fsdp"),
+    (["--training.compile=maybe"], "not a boolean", "true or false"),
+    (["--training.steps"], "--training.steps has no value", "--training.steps=VALUE"),
+])
+def test_bad_overrides(args, cause, fix):
+    with pytest.raises(DuokaError) as e:
+        load_config(None, args)
+    assert cause in e.value.cause and fix in e.value.fix
+
+
+def test_bad_file(tmp_path):
+    with pytest.raises(DuokaError, match="unknown config key 'optimiser.lr'") as e:
+        load_config(write(tmp_path, "[optimiser]\nlr = 1.0\n"))
+    assert "optimizer.lr" in e.value.fix
+    with pytest.raises(DuokaError, match="not valid TOML"):
+        load_config(write(tmp_path, "[training\nsteps = 1"))
+    with pytest.raises(DuokaError, match="is not a string"):
+        load_config(write(tmp_path, "[model]\nflavor = 7\n"))
+    with pytest.raises(DuokaError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_auto_or_int():
+    assert load_config(None, ["--training.micro_batch_size=auto"]).training.micro_batch_size == "auto"
+    assert load_config(None, ["--training.micro_batch_size=8"]).training.micro_batch_size == 8
+
+
+def test_docs_are_generated_from_the_code():
+    from pathlib import Path
+
+    docs = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+    assert docs.read_text() == reference_markdown(), "run: python -m duoka.config > docs/config.md"

@@ -1,0 +1,63 @@
+import gzip
+import json
+
+import pytest
+import torch
+
+from duoka.data.dataset import (PackedWindows, corpus_files, global_batch_indices, iter_documents, rank_batches,
+                                tokenize_corpus)
+from duoka.data.tokenizer import Tokenizer
+from duoka.errors import DuokaError
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("DUOKA_CACHE", str(tmp_path / "cache"))
+
+
+def test_documents_from_text_and_jsonl(tmp_path):
+    (tmp_path / "a.txt").write_text("first doc\nline two\n\n\nsecond doc\n")
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"text": "third"}) + "\n\n" + json.dumps({"text": "fourth"}) + "\n")
+    files = corpus_files(tmp_path)
+    docs = [d for f in files for d in iter_documents(f, "text")]
+    assert docs == ["first doc\nline two", "second doc", "third", "fourth"]
+
+
+def test_malformed_jsonl_names_file_and_line(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"text": "ok"}\n{"text": broken\n')
+    with pytest.raises(DuokaError, match=r"bad.jsonl:2 is not valid JSON"):
+        list(iter_documents(p, "text"))
+    p.write_text('{"content": "no text field"}\n')
+    with pytest.raises(DuokaError, match=r"bad.jsonl:1 has no string field 'text'") as e:
+        list(iter_documents(p, "text"))
+    assert "content" in e.value.fix
+
+
+def test_tokenized_stream_and_windows(tmp_path, tokenizer_dir):
+    tok = Tokenizer(tokenizer_dir)
+    p = tmp_path / "c.jsonl"
+    p.write_text("\n".join(json.dumps({"text": t}) for t in ["hello world", "the quick brown fox"] * 20))
+    token_file = tokenize_corpus(p, tok)
+    assert tokenize_corpus(p, tok) == token_file  # cached
+    data = PackedWindows(token_file, seq_len=8)
+    eot = tok.token_to_id("<|endoftext|>")
+    stream = torch.cat([data[i][:-1] for i in range(len(data))])
+    expected = (tok.encode("hello world", add_special_tokens=False) + [eot] +
+                tok.encode("the quick brown fox", add_special_tokens=False) + [eot])
+    assert stream[: len(expected)].tolist() == expected
+    assert torch.equal(data[0][-1], data[1][0])  # the label of a window's last token is the next one's first
+
+
+def test_global_batch_is_the_same_whatever_the_layout():
+    data = [torch.full((5,), i) for i in range(37)]
+    for step in range(6):
+        whole = torch.cat(rank_batches(data, step, 8, 8, 0, 1, seed=3))
+        for dp, micro in [(2, 2), (4, 1), (8, 1), (2, 4)]:
+            parts = [torch.cat(rank_batches(data, step, 8, micro, r, dp, seed=3)) for r in range(dp)]
+            assert torch.equal(torch.cat(parts), whole)
+    # Each epoch is a permutation: 37 samples appear once in steps covering one epoch.
+    seen = [i for s in range(5) for i in global_batch_indices(s, 8, 37, seed=3)][:37]
+    assert sorted(seen) == list(range(37))
+    assert global_batch_indices(0, 8, 37, seed=3) != global_batch_indices(0, 8, 37, seed=4)
