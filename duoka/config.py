@@ -108,6 +108,7 @@ class CheckpointConfig:
     interval: int = opt(0, "Every this many steps write the model in Hugging Face format to "
                            "checkpoints/step-N/; 0: only at the end. (Model weights only: resumable checkpoints with "
                            "optimizer and data state come with the checkpoint issue.)", min=0)
+    export_final: bool = opt(True, "Write the final model to checkpoints/step-<steps>/ (off for throughput runs).")
 
 
 @dataclass

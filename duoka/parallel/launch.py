@@ -97,7 +97,7 @@ def launch_training(
     gpus: str | None = None,
     log=print,
 ) -> Path:
-    from duoka.data.dataset import RANDOM_DATA, bundled_corpus, tokenize_corpus
+    from duoka.data.dataset import RANDOM_DATA, PackedWindows, bundled_corpus, tokenize_corpus
     from duoka.data.tokenizer import Tokenizer
     from duoka.parallel.devices import device_env, read_gpus, select_gpus
     from duoka.parallel.dims import ParallelDims
@@ -158,7 +158,9 @@ def launch_training(
         data_path = Path(cfg.data.path) if cfg.data.path else bundled_corpus()
         t = time.perf_counter()
         token_file = str(tokenize_corpus(data_path, tokenizer, cfg.data.text_field))
-        log(f"duoka: data {data_path} -> {token_file} ({time.perf_counter() - t:.1f} s)")
+        windows = len(PackedWindows(Path(token_file), cfg.training.seq_len))  # raises if the corpus is too small
+        log(f"duoka: data {data_path}: {windows:,} windows of {cfg.training.seq_len} tokens "
+            f"({time.perf_counter() - t:.1f} s)")
         tokenizer_files = _tokenizer_files(tokenizer_dir)
 
     run_dir = run_directory(cfg, node_rank)
@@ -226,11 +228,23 @@ def _run_workers(spec, nproc_per_node: int, nnodes: int, node_rank: int, rdzv_en
         rdzv_configs={"is_host": node_rank == 0, "join_timeout": 600} if nnodes > 1 else {"is_host": True},
         max_restarts=0, monitor_interval=0.5, start_method="spawn",
     )
+    _quiet_agent_logs()
     try:
         elastic_launch(config, worker_main)(spec)
     except ChildFailedError:
         _raise_worker_error(spec.run_dir)
         raise
+
+
+def _quiet_agent_logs() -> None:
+    """The elastic agent logs every worker exit with a traceback of its own polling code.
+    A failing worker already leaves its cause (and, for a crash, its traceback) in the run
+    directory, which becomes the one message the user reads; keep the agent's noise out."""
+    import logging
+
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
 def _raise_worker_error(run_dir: str) -> None:

@@ -267,7 +267,7 @@ class Trainer:
                 console.progress(record, steps, time.perf_counter() - started)
             if cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0 and step + 1 != steps:
                 self.export(step + 1)
-        final = self.export(steps)
+        final = self.export(steps) if cfg.checkpoint.export_final else None
         if metrics:
             metrics.close()
         if console:
@@ -321,9 +321,10 @@ class _Console:
                        f"{r['tokens_per_s']:,.0f} tok/s{mfu_text} | {r['step_time_s']:.2f} s/step | "
                        f"ETA {_duration(eta)}")
 
-    def done(self, run_dir: Path, final: Path, elapsed: float) -> None:
+    def done(self, run_dir: Path, final: Path | None, elapsed: float) -> None:
         self.out.print(f"[bold green]done[/] in {_duration(elapsed)}. Run directory: {run_dir}")
-        self.out.print(f"Try it:  duoka generate --model {final} --prompt \"Return the\"")
+        if final is not None:
+            self.out.print(f"Try it:  duoka generate --model {final} --prompt \"Return the\"")
 
 
 def _duration(seconds: float) -> str:

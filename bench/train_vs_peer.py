@@ -1,0 +1,118 @@
+"""duoka train against the transformers peer (../shared/peer/hf_qwen2_baseline.py), same GPUs,
+same run: tokens/s/GPU, MFU and peak memory for a list of (model, layout, micro-batch) cases.
+
+    python bench/train_vs_peer.py --peer .peer/hf_qwen2_baseline.py --out results.json \
+        --case 0.5b:ddp:8 --case 0.5b:fsdp:8 --case 1.5b:ddp:4 --case 1.5b:fsdp:4 [--compile-case 0.5b:ddp:8]
+
+Both sides train on random tokens at seq 2048 in bf16 (duoka: `data.path=random`), one
+process per visible GPU, global batch = micro-batch x GPUs (no accumulation), warmup
+steps excluded. duoka's figure is total tokens over total step time of the timed steps
+from metrics.jsonl; the peer prints its own (its timing loop, its MFU formula, which is
+the same PaLM convention as ours).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+FLAVOR = {"0.5b": "qwen2-0.5b", "1.5b": "qwen2-1.5b", "7b": "qwen2-7b"}
+PEER_MODE = {"ddp": "ddp", "fsdp": "fsdp2"}
+
+
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+def run_duoka(model: str, layout: str, mbs: int, seq: int, steps: int, warmup: int, compile: bool, timeout: int) -> dict:
+    n = gpu_count()
+    run = Path(tempfile.mkdtemp(prefix="duoka-bench-")) / "run"
+    cmd = [sys.executable, "-m", "duoka.cli", "train", f"--job.output_dir={run}", f"--model.flavor={FLAVOR[model]}",
+           "--data.path=random", f"--training.seq_len={seq}", f"--training.micro_batch_size={mbs}",
+           f"--training.global_batch_size={mbs * n}", f"--training.steps={steps}", "--training.dtype=bf16",
+           f"--parallel.dp_mode={layout}", f"--training.compile={str(compile).lower()}",
+           "--checkpoint.interval=0", "--checkpoint.export_final=false", "--metrics.log_interval=5",
+           "--optimizer.warmup_steps=2"]
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        return {"error": proc.stderr[-1500:]}
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][warmup:]
+    tokens = sum(r["tokens_per_s"] * r["step_time_s"] for r in recs)
+    seconds = sum(r["step_time_s"] for r in recs)
+    tps_gpu = tokens / seconds / n
+    mfu = sum(r["mfu"] * r["step_time_s"] for r in recs) / seconds if recs[0]["mfu"] is not None else None
+    return {"tok_s_gpu": round(tps_gpu), "mfu_pct": round(100 * mfu, 1) if mfu else None,
+            "peak_mem_gib": round(max(r.get("peak_mem_gib", 0) for r in recs), 1),
+            "step_s": round(seconds / len(recs), 4), "final_loss": round(recs[-1]["loss"], 3), "wall_s": round(wall, 1)}
+
+
+def run_peer(peer: Path, model: str, layout: str, mbs: int, seq: int, steps: int, warmup: int, compile: bool,
+             timeout: int) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={gpu_count()}", str(peer),
+           f"--model={model}", f"--mode={PEER_MODE[layout]}", f"--seq={seq}", f"--mbs={mbs}", f"--steps={steps - warmup}",
+           f"--warmup={warmup}"] + (["--compile"] if compile else [])
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - t
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        return {"error": (proc.stderr or proc.stdout)[-1500:]}
+    r = json.loads(lines[-1][len("RESULT "):])
+    return {"tok_s_gpu": r["tok_s_gpu"], "mfu_pct": r["mfu_pct"], "peak_mem_gib": r["peak_mem_gib"],
+            "step_s": r["step_s"], "final_loss": r["loss"], "wall_s": round(wall, 1)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--peer", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--case", action="append", default=[], help="MODEL:LAYOUT:MICRO_BATCH, e.g. 0.5b:ddp:8")
+    p.add_argument("--compile-case", action="append", default=[], help="same, both sides with compile")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=14)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--timeout", type=int, default=150)
+    a = p.parse_args()
+    import torch
+
+    results = {"gpus": gpu_count(), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+               "seq": a.seq, "timed_steps": a.steps - a.warmup, "cases": []}
+    cases = [(c, False) for c in a.case] + [(c, True) for c in a.compile_case]
+    for case, compile in cases:
+        model, layout, mbs = case.split(":")
+        row = {"model": model, "layout": layout, "micro_batch": int(mbs), "compile": compile}
+        runs = {"duoka": lambda: run_duoka(model, layout, int(mbs), a.seq, a.steps, a.warmup, compile, a.timeout),
+                "peer": lambda: run_peer(a.peer, model, layout, int(mbs), a.seq, a.steps, a.warmup, compile, a.timeout)}
+        for side, run in runs.items():
+            try:
+                row[side] = run()
+            except subprocess.TimeoutExpired:
+                row[side] = {"error": f"timed out after {a.timeout} s"}
+        if "tok_s_gpu" in row["duoka"] and "tok_s_gpu" in row["peer"]:
+            row["vs_peer"] = round(row["duoka"]["tok_s_gpu"] / row["peer"]["tok_s_gpu"], 3)
+        results["cases"].append(row)
+        a.out.write_text(json.dumps(results, indent=2) + "\n")
+        print(json.dumps(row), flush=True)
+    print(f"{'case':<26}{'duoka tok/s/GPU':>16}{'MFU':>7}{'GiB':>7}{'peer tok/s/GPU':>16}{'MFU':>7}{'GiB':>7}{'ratio':>7}")
+    for r in results["cases"]:
+        d, q = r["duoka"], r["peer"]
+        name = f"{r['model']} {r['layout']} mb{r['micro_batch']}{' compile' if r['compile'] else ''}"
+        print(f"{name:<26}{d.get('tok_s_gpu', 'err'):>16}{d.get('mfu_pct') or '-':>7}{d.get('peak_mem_gib', '-'):>7}"
+              f"{q.get('tok_s_gpu', 'err'):>16}{q.get('mfu_pct') or '-':>7}{q.get('peak_mem_gib', '-'):>7}"
+              f"{r.get('vs_peer', '-'):>7}")
+
+
+if __name__ == "__main__":
+    main()

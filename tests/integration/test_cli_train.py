@@ -1,0 +1,110 @@
+"""`duoka train` end to end through the real CLI."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def duoka(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "duoka.cli", *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=600, input="", env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+
+def assert_user_error(proc, *phrases):
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "error: " in proc.stderr and "\n  fix: " in proc.stderr
+    for phrase in phrases:
+        assert phrase in proc.stderr, proc.stderr
+
+
+def test_default_run_shortened_trains_and_generates(tmp_path):
+    """The built-in default (debug Qwen2 on the bundled corpus), cut to 40 steps."""
+    run = tmp_path / "run"
+    proc = duoka("train", f"--job.output_dir={run}", "--training.steps=40")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 41))
+    for key in ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "step_time_s", "data_time_s"):
+        assert key in records[-1]
+    assert records[-1]["mfu"] is None  # no made-up peak on CPU
+    first, last = records[0]["loss"], sum(r["loss"] for r in records[-5:]) / 5
+    assert first > 8.0 and last < first - 1.0  # ln(4096) = 8.3 at the start; clearly falling
+    assert records[-1]["tokens"] == 40 * 16 * 128
+    assert (run / "config.toml").is_file()
+    final = run / "checkpoints" / "step-40"
+    assert f"duoka generate --model {final}" in proc.stderr
+
+    gen = duoka("generate", "--model", str(final), "--prompt", "Return the", "--max-new-tokens", "10")
+    assert gen.returncode == 0, gen.stderr
+    assert gen.stdout.strip()
+
+    again = duoka("train", f"--job.output_dir={run}", "--training.steps=2")
+    assert_user_error(again, "already holds a run")
+
+
+def test_resolved_config_is_reusable(tmp_path):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[training]\nsteps = 2\nseq_len = 32\nglobal_batch_size = 4\n[optimizer]\nlr = 0.001\n')
+    run = tmp_path / "run"
+    assert duoka("train", str(cfg), f"--job.output_dir={run}", "--optimizer.lr=0.002").returncode == 0
+    saved = (run / "config.toml").read_text()
+    assert "lr = 0.002" in saved and "steps = 2" in saved and f'output_dir = "{run}"' in saved
+    rerun = duoka("train", str(run / "config.toml"), f"--job.output_dir={tmp_path / 'run2'}")
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+
+
+def test_config_errors_before_any_worker_starts(tmp_path):
+    out = f"--job.output_dir={tmp_path / 'x'}"
+    assert_user_error(duoka("train", out, "--training.stpes=3"), "training.stpes", "training.steps")
+    assert_user_error(duoka("train", out, "--nproc-per-node=2", "--parallel.dp_mode=fsdp",
+                            "--parallel.dp_replicate=3"), "dp_replicate=3 does not divide the world size 2")
+    assert_user_error(duoka("train", out, "--nproc-per-node=2", "--training.global_batch_size=5"),
+                      "5 / 2 = 2.5")
+    assert_user_error(duoka("train", out, "--training.micro_batch_size=3"), "16 / 1 ranks = 16")
+    assert_user_error(duoka("train", out, f"--data.path={tmp_path / 'none.jsonl'}"), "does not exist")
+    assert_user_error(duoka("train", out, "--model.flavor=qwen2-0.5b"), "no tokenizer", "model.tokenizer")
+    assert_user_error(duoka("train", out, "--gpus=0"), "no GPU is visible")
+    assert_user_error(duoka("train", out, "--training.seq_len=4096"), "exceeds the model's 2048 positions")
+    assert not (tmp_path / "x").exists()
+
+
+def test_too_small_corpus(tmp_path):
+    tiny = tmp_path / "tiny.jsonl"
+    tiny.write_text('{"text": "too short"}\n')
+    assert_user_error(duoka("train", f"--job.output_dir={tmp_path / 'run'}", f"--data.path={tiny}"),
+                      "fewer than one window", "training.seq_len")
+
+
+def test_worker_errors_come_back_as_one_message(tmp_path):
+    """A checkpoint whose tensor shapes do not match is found while the workers load it."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from duoka.cli import bundled_model_dir
+
+    model = tmp_path / "model"
+    shutil.copytree(bundled_model_dir(), model)
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.norm.weight"] = tensors["model.norm.weight"][:7].clone()
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    proc = duoka("train", f"--job.output_dir={tmp_path / 'run'}", f"--model.path={model}", "--nproc-per-node=2",
+                 "--training.steps=2")
+    assert_user_error(proc, "training stopped on rank(s) 0, 1", "model.norm.weight: checkpoint [7], model [192]")
+
+
+def test_start_from_a_hugging_face_folder(tmp_path):
+    """model.path: weights and tokenizer from an HF folder (here the bundled tiny model)."""
+    from duoka.cli import bundled_model_dir
+
+    run = tmp_path / "run"
+    proc = duoka("train", f"--job.output_dir={run}", f"--model.path={bundled_model_dir()}", "--training.steps=3",
+                 "--training.seq_len=64", "--optimizer.lr=1e-4", "--nproc-per-node=2", "--parallel.dp_mode=fsdp")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    assert first < 6.0  # a trained model starts far below ln(vocab) = 8.3
