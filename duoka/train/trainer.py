@@ -199,6 +199,8 @@ class Trainer:
         started = time.perf_counter()
         self.model.train()
         for step in range(steps):
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(self.device)  # peak_mem_gib is this step's peak
             t0 = time.perf_counter()
             micro = rank_batches(self.data, step, cfg.training.global_batch_size, self.batch.micro_batch,
                                  self.dp_rank, self.dp_size, cfg.training.seed)
