@@ -188,6 +188,15 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
+    def _summed_loss(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed cross-entropy in fp32. A function of its own so that the bf16 logits go out
+        of scope before backward: held by a caller's variable they stay alive through the
+        whole backward pass (4.6 GiB for Qwen2-0.5B at micro-batch 8, seq 2048, measured)."""
+        with self._autocast():
+            logits = self.model(inputs)
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum",
+                               ignore_index=IGNORE_INDEX)
+
     def train(self) -> None:
         cfg, steps = self.cfg, self.cfg.training.steps
         is_main = self.rank == 0
@@ -214,10 +223,7 @@ class Trainer:
             for i, batch in enumerate(micro):
                 inputs, labels = batch[:, :-1], batch[:, 1:]
                 with self._sync_context(last=i == len(micro) - 1):
-                    with self._autocast():
-                        logits = self.model(inputs)
-                    ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum",
-                                         ignore_index=IGNORE_INDEX)
+                    ce = self._summed_loss(inputs, labels)
                     (ce * self.dp_size / global_tokens).backward()
                 loss_sum += ce.detach()
 
