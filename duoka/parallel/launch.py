@@ -180,7 +180,7 @@ def launch_training(
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc_per_node))
     os.environ.update(env)
     log(f"duoka: {world} process(es) ({nnodes} node(s) x {nproc_per_node}), run directory {run_dir}")
-    _run_workers(spec, nproc_per_node, nnodes, node_rank, rdzv_endpoint)
+    _run_workers(spec, nproc_per_node, nnodes, node_rank, rdzv_endpoint, log)
     return run_dir
 
 
@@ -190,7 +190,7 @@ def _tokenizer_files(folder: Path) -> list[str]:
     return [str(folder / n) for n in names if (folder / n).is_file()]
 
 
-def _run_workers(spec, nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None) -> None:
+def _run_workers(spec, nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None, log) -> None:
     from duoka.train.trainer import worker_main
 
     if nnodes == 1 and nproc_per_node == 1:
@@ -215,7 +215,7 @@ def _run_workers(spec, nproc_per_node: int, nnodes: int, node_rank: int, rdzv_en
         if node_rank == 0 and not port_is_free(host, port):
             if nnodes == 1:
                 new = free_port()
-                print(f"duoka: rendezvous port {port} is in use; using {new} instead")
+                log(f"duoka: rendezvous port {port} is in use; using {new} instead")
                 endpoint = f"{host}:{new}"
             else:
                 raise DuokaError(f"rendezvous port {port} on {host} is already in use (another job, or a stale one)",

@@ -108,3 +108,28 @@ def test_start_from_a_hugging_face_folder(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
     assert first < 6.0  # a trained model starts far below ln(vocab) = 8.3
+
+
+def test_busy_rendezvous_port(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        single = duoka("train", f"--job.output_dir={tmp_path / 'one'}", "--nproc-per-node=2", "--training.steps=1",
+                       f"--rdzv-endpoint=127.0.0.1:{port}", "--checkpoint.export_final=false")
+        assert single.returncode == 0, single.stderr[-2000:]
+        assert f"rendezvous port {port} is in use; using" in single.stderr
+        multi = duoka("train", f"--job.output_dir={tmp_path / 'two'}", "--nnodes=2", "--node-rank=0",
+                      "--nproc-per-node=1", f"--rdzv-endpoint=127.0.0.1:{port}")
+        assert_user_error(multi, f"rendezvous port {port} on 127.0.0.1 is already in use", "pick another port")
+
+
+def test_example_configs_are_valid():
+    from duoka.config import load_config
+
+    configs = sorted((ROOT / "configs").glob("*.toml"))
+    assert len(configs) >= 3
+    for path in configs:
+        load_config(path)
