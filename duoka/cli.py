@@ -9,20 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from importlib import resources
-from pathlib import Path
-
 from duoka import __version__
 from duoka.errors import DuokaError
+from duoka.hub import bundled_model_dir
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_PROMPT = "Return the"  # the bundled model read only standard-library docstrings
-
-
-def bundled_model_dir() -> Path:
-    """A tiny Qwen2 shipped in the package (tools/make_tiny_model.py made it), so that
-    `duoka generate` works on a fresh machine with no download."""
-    return Path(str(resources.files("duoka") / "assets" / "tiny-qwen2"))
 
 
 def log(message: str) -> None:

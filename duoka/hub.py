@@ -5,6 +5,7 @@ users expect. HF_HUB_CACHE, HF_HOME and HF_HUB_OFFLINE are honoured as there."""
 from __future__ import annotations
 
 import re
+from importlib import resources
 from pathlib import Path
 
 from duoka.errors import DuokaError
@@ -12,6 +13,18 @@ from duoka.errors import DuokaError
 # What a Qwen2 folder needs; weights as safetensors only (we never unpickle, so *.bin
 # files are not worth downloading).
 HUB_FILE_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]
+
+def bundled_model_dir() -> Path:
+    """A tiny Qwen2 shipped in the package (tools/make_tiny_model.py made it), so that
+    `duoka generate` works on a fresh machine with no download; its tokenizer is also the
+    one the built-in training run uses."""
+    return Path(str(resources.files("duoka") / "assets" / "tiny-qwen2"))
+
+
+def bundled_corpus() -> Path:
+    """Standard-library docstrings (PSF licence), the built-in training run's data."""
+    return Path(str(resources.files("duoka") / "assets" / "corpus" / "stdlib_docstrings.jsonl.gz"))
+
 
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 

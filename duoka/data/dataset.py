@@ -19,7 +19,6 @@ import gzip
 import hashlib
 import json
 import os
-from importlib import resources
 from pathlib import Path
 from typing import Iterator
 
@@ -29,10 +28,6 @@ import torch
 from duoka.errors import DuokaError
 
 RANDOM_DATA = "random"
-
-
-def bundled_corpus() -> Path:
-    return Path(str(resources.files("duoka") / "assets" / "corpus" / "stdlib_docstrings.jsonl.gz"))
 
 
 def corpus_files(path: Path) -> list[Path]:
@@ -167,6 +162,8 @@ class RandomTokens:
 
 def global_batch_indices(step: int, global_batch: int, n_samples: int, seed: int) -> list[int]:
     """Sample indices of optimizer step `step` (0-based): a function of (seed, step) only."""
+    if n_samples > 2**32:  # RandomTokens: every index is already random, nothing to shuffle
+        return list(range(step * global_batch, (step + 1) * global_batch))
     out = []
     for pos in range(step * global_batch, (step + 1) * global_batch):
         epoch, offset = divmod(pos, n_samples)
@@ -178,18 +175,11 @@ _PERM_CACHE: dict[tuple[int, int, int], np.ndarray] = {}
 
 
 def _permutation(n: int, seed: int, epoch: int) -> np.ndarray:
-    if n > 2**32:  # RandomTokens: every index is already random, no shuffle needed
-        return _Identity()
     key = (n, seed, epoch)
     if key not in _PERM_CACHE:
         _PERM_CACHE.clear()  # one epoch at a time is all a run needs
         _PERM_CACHE[key] = np.random.default_rng([seed, epoch]).permutation(n)
     return _PERM_CACHE[key]
-
-
-class _Identity:
-    def __getitem__(self, i):
-        return i
 
 
 def rank_batches(dataset, step: int, global_batch: int, micro_batch: int, dp_rank: int, dp_size: int,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from duoka.config import ParallelConfig

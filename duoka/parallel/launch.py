@@ -49,15 +49,9 @@ def parse_endpoint(endpoint: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def bundled_tokenizer_dir() -> Path:
-    from duoka.cli import bundled_model_dir
-
-    return bundled_model_dir()
-
-
 def resolve_model(cfg: Config):
     """(ModelArgs, folder to load weights from or None, tokenizer folder or None)."""
-    from duoka.hub import resolve_model_dir
+    from duoka.hub import bundled_model_dir, resolve_model_dir
     from duoka.models.qwen2.args import get_flavor
     from duoka.models.qwen2.hf_adapter import read_config, weight_files
 
@@ -71,7 +65,7 @@ def resolve_model(cfg: Config):
     if cfg.model.tokenizer:
         return args, None, resolve_model_dir(cfg.model.tokenizer)
     if cfg.model.flavor == "debug":
-        return args, None, bundled_tokenizer_dir()
+        return args, None, bundled_model_dir()
     return args, None, None
 
 
@@ -97,7 +91,8 @@ def launch_training(
     gpus: str | None = None,
     log=print,
 ) -> Path:
-    from duoka.data.dataset import RANDOM_DATA, PackedWindows, bundled_corpus, tokenize_corpus
+    from duoka.data.dataset import RANDOM_DATA, PackedWindows, tokenize_corpus
+    from duoka.hub import bundled_corpus
     from duoka.data.tokenizer import Tokenizer
     from duoka.parallel.devices import device_env, read_gpus, select_gpus
     from duoka.parallel.dims import ParallelDims

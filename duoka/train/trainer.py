@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from duoka.config import Config
-from duoka.data.dataset import RANDOM_DATA, PackedWindows, RandomTokens, rank_batches
+from duoka.data.dataset import PackedWindows, RandomTokens, rank_batches
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import ModelArgs
 from duoka.models.qwen2.hf_adapter import load_hf_weights, save_hf_state_dict
@@ -262,7 +262,7 @@ class Trainer:
                 "step_time_s": slowest,
                 "data_time_s": float(per_rank[:, 3].max()),
                 "per_rank": {
-                    "loss": [float(r[0] / r[1]) for r in per_rank],
+                    "loss": [float(r[0] / r[1]) if r[1] > 0 else None for r in per_rank],
                     "step_time_s": [float(r[2]) for r in per_rank],
                     "data_time_s": [float(r[3]) for r in per_rank],
                 },

@@ -86,7 +86,7 @@ def test_worker_errors_come_back_as_one_message(tmp_path):
 
     from safetensors.torch import load_file, save_file
 
-    from duoka.cli import bundled_model_dir
+    from duoka.hub import bundled_model_dir
 
     model = tmp_path / "model"
     shutil.copytree(bundled_model_dir(), model)
@@ -100,7 +100,7 @@ def test_worker_errors_come_back_as_one_message(tmp_path):
 
 def test_start_from_a_hugging_face_folder(tmp_path):
     """model.path: weights and tokenizer from an HF folder (here the bundled tiny model)."""
-    from duoka.cli import bundled_model_dir
+    from duoka.hub import bundled_model_dir
 
     run = tmp_path / "run"
     proc = duoka("train", f"--job.output_dir={run}", f"--model.path={bundled_model_dir()}", "--training.steps=3",
