@@ -24,14 +24,25 @@ class GpuReading:
 
 
 def read_gpus() -> list[GpuReading]:
-    """All GPUs of this machine through NVML (which ignores CUDA_VISIBLE_DEVICES)."""
+    """All GPUs of this machine through NVML (which ignores CUDA_VISIBLE_DEVICES); an empty
+    list on a machine without an NVIDIA driver. Where PyTorch sees GPUs but NVML cannot be
+    read, that is an error, never a silent switch to CPU training."""
+    import torch
+
     try:
         import pynvml
     except ImportError:
+        if torch.cuda.is_available():
+            raise DuokaError("PyTorch sees GPUs but nvidia-ml-py (NVML) is not installed",
+                             "pip install nvidia-ml-py") from None
         return []
     try:
         pynvml.nvmlInit()
-    except pynvml.NVMLError:
+    except pynvml.NVMLError as e:
+        if torch.cuda.is_available():
+            raise DuokaError(f"PyTorch sees GPUs but NVML cannot be read ({e})",
+                             "check the driver with `nvidia-smi`; a driver/library version mismatch needs a reboot "
+                             "or a reload of the nvidia kernel module") from None
         return []
     try:
         out = []
