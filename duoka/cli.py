@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
+
 from duoka import __version__
 from duoka.errors import DuokaError
 from duoka.hub import bundled_model_dir
@@ -132,9 +134,35 @@ def add_train_parser(sub) -> None:
 
 
 def run_train(a: argparse.Namespace) -> int:
-    from duoka.parallel.launch import launch_training
+    from duoka.parallel.launch import TrainingStopped, launch_training
 
-    launch_training(a.config, a.overrides, a.nproc_per_node, a.nnodes, a.node_rank, a.rdzv_endpoint, a.gpus, log=log)
+    try:
+        launch_training(a.config, a.overrides, a.nproc_per_node, a.nnodes, a.node_rank, a.rdzv_endpoint, a.gpus,
+                        log=log)
+    except TrainingStopped as e:
+        log(f"duoka: {e}")
+        return 143
+    return 0
+
+
+def add_export_parser(sub) -> None:
+    p = sub.add_parser("export", help="write a training checkpoint as a Hugging Face folder",
+                       description="Convert RUN_DIR/checkpoints/step-N (torch.distributed.checkpoint, any layout) "
+                                   "into config.json + safetensors + tokenizer files that transformers loads.")
+    p.add_argument("checkpoint", help="a checkpoints/step-N folder")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    p.add_argument("--max-shard-size", default="5GB")
+    p.set_defaults(func=run_export)
+
+
+def run_export(a: argparse.Namespace) -> int:
+    from duoka.train.export import export_checkpoint
+
+    t = time.perf_counter()
+    out = export_checkpoint(Path(a.checkpoint), Path(a.out), a.dtype, a.max_shard_size)
+    log(f"duoka: exported {a.checkpoint} -> {out} in {time.perf_counter() - t:.1f} s")
+    print(out)
     return 0
 
 
@@ -165,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_generate_parser(sub)
     add_train_parser(sub)
+    add_export_parser(sub)
     return parser
 
 

@@ -105,10 +105,13 @@ class ParallelConfig:
 
 @dataclass
 class CheckpointConfig:
-    interval: int = opt(0, "Every this many steps write the model in Hugging Face format to "
-                           "checkpoints/step-N/; 0: only at the end. (Model weights only: resumable checkpoints with "
-                           "optimizer and data state come with the checkpoint issue.)", min=0)
-    export_final: bool = opt(True, "Write the final model to checkpoints/step-<steps>/ (off for throughput runs).")
+    enabled: bool = opt(True, "Write resumable checkpoints (model, optimizer, step) to checkpoints/step-N/ with "
+                              "torch.distributed.checkpoint: every `interval` steps, at the end, and on SIGTERM.")
+    interval: int = opt(0, "Steps between checkpoints; 0: only at the end (and on SIGTERM).", min=0)
+    keep: int = opt(2, "Complete checkpoints to keep; older ones are deleted once a newer one is complete.", min=1)
+    resume: str = opt("", "`auto`: continue from the newest complete checkpoint in job.output_dir (start fresh if "
+                          "there is none); a checkpoints/step-N path: continue from it; empty: start fresh.")
+    export_final: bool = opt(True, "Also write the final model in Hugging Face format to hf/step-<steps>/.")
 
 
 @dataclass

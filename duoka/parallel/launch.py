@@ -73,11 +73,14 @@ def run_directory(cfg: Config, node_rank: int) -> Path:
     if cfg.job.output_dir:
         run_dir = Path(cfg.job.output_dir)
     else:
+        if cfg.checkpoint.resume == "auto":
+            raise DuokaError("checkpoint.resume=auto needs job.output_dir (the run to continue)",
+                             "add --job.output_dir=runs/<the run>")
         name = (Path(cfg.model.path).name if cfg.model.path else cfg.model.flavor) + time.strftime("-%Y%m%d-%H%M%S")
         run_dir = Path("runs") / name
-    if node_rank == 0 and (run_dir / "metrics.jsonl").exists():
+    if node_rank == 0 and (run_dir / "metrics.jsonl").exists() and not cfg.checkpoint.resume:
         raise DuokaError(f"run directory {run_dir} already holds a run (metrics.jsonl)",
-                         "choose a new job.output_dir (resuming arrives with distributed checkpoints)")
+                         "continue it with --checkpoint.resume=auto, or choose a new job.output_dir")
     return run_dir
 
 
@@ -96,6 +99,7 @@ def launch_training(
     from duoka.data.tokenizer import Tokenizer
     from duoka.parallel.devices import device_env, read_gpus, select_gpus
     from duoka.parallel.dims import ParallelDims
+    from duoka.train.checkpoint import find_resume_checkpoint, read_train_state
     from duoka.train.optim import plan_batch
     from duoka.train.trainer import WorkerSpec
 
@@ -160,6 +164,13 @@ def launch_training(
 
     run_dir = run_directory(cfg, node_rank)
     cfg.job.output_dir = str(run_dir)
+    resume_from = find_resume_checkpoint(run_dir, cfg.checkpoint.resume)
+    if resume_from is not None:
+        done = read_train_state(resume_from)["step"]
+        if done > cfg.training.steps:
+            raise DuokaError(f"{resume_from} is at step {done}, past training.steps={cfg.training.steps}",
+                             f"raise training.steps above {done} to train further")
+        log(f"duoka: resuming from {resume_from} (step {done})")
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in run_dir.glob("error-rank*.json"):
         stale.unlink()
@@ -168,15 +179,30 @@ def launch_training(
 
     spec = WorkerSpec(config=cfg.to_dict(), run_dir=str(run_dir), model_args=asdict(args),
                       model_dir=str(model_dir) if model_dir else None, token_file=token_file,
-                      tokenizer_files=tokenizer_files)
-    if not gpu_list and "OMP_NUM_THREADS" not in os.environ:
+                      tokenizer_files=tokenizer_files, resume_from=str(resume_from) if resume_from else None)
+    if not gpu_list and "OMP_NUM_THREADS" not in os.environ and nproc_per_node > 1:
         # CPU workers share the cores; without this each starts one thread per core and
         # they oversubscribe the machine (torchrun sets 1; a fair share is faster).
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc_per_node))
     os.environ.update(env)
     log(f"duoka: {world} process(es) ({nnodes} node(s) x {nproc_per_node}), run directory {run_dir}")
     _run_workers(spec, nproc_per_node, nnodes, node_rank, rdzv_endpoint, log)
+    stopped = run_dir / STOPPED_MARKER
+    if stopped.exists():
+        stopped.unlink()
+        raise TrainingStopped(run_dir)
     return run_dir
+
+
+STOPPED_MARKER = "STOPPED"
+
+
+class TrainingStopped(Exception):
+    """The job saved a checkpoint and stopped early on SIGTERM (exit code 143, as a job
+    killed by SIGTERM, so schedulers and `&&` chains do not mistake it for a finished run)."""
+
+    def __init__(self, run_dir: Path):
+        super().__init__(f"stopped early; continue with --checkpoint.resume=auto --job.output_dir={run_dir}")
 
 
 def _tokenizer_files(folder: Path) -> list[str]:
@@ -199,6 +225,7 @@ def _run_workers(spec, nproc_per_node: int, nnodes: int, node_rank: int, rdzv_en
             raise
         return
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -222,10 +249,17 @@ def _run_workers(spec, nproc_per_node: int, nnodes: int, node_rank: int, rdzv_en
         rdzv_backend="c10d", rdzv_endpoint=endpoint,
         rdzv_configs={"is_host": node_rank == 0, "join_timeout": 600} if nnodes > 1 else {"is_host": True},
         max_restarts=0, monitor_interval=0.5, start_method="spawn",
+        # On SIGTERM (preemption) the agent forwards it to the workers, which finish their
+        # step and save a checkpoint; give them time before the agent's SIGKILL.
+        shutdown_timeout=int(os.environ.get("DUOKA_SHUTDOWN_TIMEOUT", "600")),
     )
     _quiet_agent_logs()
     try:
         elastic_launch(config, worker_main)(spec)
+    except SignalException:
+        if (Path(spec.run_dir) / STOPPED_MARKER).exists():
+            return  # the workers saved and stopped; launch_training reports it
+        raise
     except ChildFailedError:
         _raise_worker_error(spec.run_dir)
         raise

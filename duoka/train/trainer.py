@@ -18,6 +18,7 @@ import contextlib
 import json
 import math
 import os
+import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from duoka.models.qwen2.parallelize import parallelize_qwen2, unwrap
 from duoka.monitor.metrics import MetricsFile, mfu, peak_flops
 from duoka.parallel.dims import ParallelDims
 from duoka.plan.memory import largest_fitting_micro_batch
+from duoka.train.checkpoint import load_checkpoint, save_checkpoint
 from duoka.train.optim import build_optimizer, effective_lr, lr_at, plan_batch
 
 IGNORE_INDEX = -100
@@ -52,13 +54,20 @@ class WorkerSpec:
     model_dir: str | None  # HF folder to load weights from, None for random init
     token_file: str | None  # cached token ids, None for random data
     tokenizer_files: list[str]
+    resume_from: str | None = None  # a complete checkpoint folder
 
 
 def worker_main(spec: WorkerSpec) -> None:
     """Entry point of each worker process (started by the elastic launcher or in process)."""
     rank = int(os.environ.get("RANK", 0))
     try:
-        Trainer(spec).train()
+        trainer = Trainer(spec)
+        trainer.train()
+        if trainer.stop_requested and "TORCHELASTIC_RUN_ID" in os.environ:
+            # The agent is shutting down on SIGTERM and joins its workers without releasing
+            # them normally; the checkpoint is saved, so leave at once.
+            dist.destroy_process_group()
+            os._exit(0)
     except DuokaError as e:
         _report_error(spec.run_dir, rank, e.cause, e.fix)
         raise SystemExit(2)
@@ -134,6 +143,17 @@ class Trainer:
                                cfg.metrics.peak_tflops)
         self.flops_per_token = self.args.flops_per_token(cfg.training.seq_len)
 
+        self.start_step, self.tokens_seen = 0, 0
+        if spec.resume_from:
+            state = load_checkpoint(Path(spec.resume_from), self.model, self.optimizer)
+            self.start_step, self.tokens_seen = state["step"], state["tokens"]
+        # A preempted job gets SIGTERM: finish the step, save, then stop (see train()).
+        self.stop_requested = False
+        signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self.stop_requested = True
+
     # ------------------------------------------------------------------ setup
 
     def _build_model(self):
@@ -150,6 +170,8 @@ class Trainer:
         return parallelize_qwen2(model, self.dims, self.mesh, cfg, self.compute_dtype)
 
     def _fill(self, model) -> None:
+        if self.spec.resume_from:
+            return  # every value comes from the checkpoint (DCP loading is strict about missing keys)
         if self.spec.model_dir:
             load_hf_weights(model, Path(self.spec.model_dir))
         else:
@@ -200,14 +222,17 @@ class Trainer:
     def train(self) -> None:
         cfg, steps = self.cfg, self.cfg.training.steps
         is_main = self.rank == 0
+        if is_main:
+            _truncate_metrics(self.run_dir / "metrics.jsonl", self.start_step)
         metrics = MetricsFile(self.run_dir / "metrics.jsonl") if is_main else None
         console = _Console() if is_main else None
         if console:
             console.banner(self)
-        tokens_seen = 0
+        tokens_seen = self.tokens_seen
         started = time.perf_counter()
         self.model.train()
-        for step in range(steps):
+        step = self.start_step - 1
+        for step in range(self.start_step, steps):
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)  # peak_mem_gib is this step's peak
             t0 = time.perf_counter()
@@ -272,23 +297,55 @@ class Trainer:
             if metrics:
                 metrics.write(record)
             if console and ((step + 1) % cfg.metrics.log_interval == 0 or step + 1 == steps or step == 0):
-                console.progress(record, steps, time.perf_counter() - started)
-            if cfg.checkpoint.interval and (step + 1) % cfg.checkpoint.interval == 0 and step + 1 != steps:
-                self.export(step + 1)
+                console.progress(record, steps, time.perf_counter() - started, self.start_step)
+            self.tokens_seen = tokens_seen
+            if self._stop_agreed():
+                self.checkpoint(step + 1)
+                if is_main:
+                    (self.run_dir / "STOPPED").write_text(str(step + 1))
+                if console:
+                    console.out.print(f"[bold yellow]stopped by SIGTERM after step {step + 1}[/]; continue with "
+                                      f"--checkpoint.resume=auto --job.output_dir={self.run_dir}")
+                if metrics:
+                    metrics.close()
+                return
+            interval = cfg.checkpoint.interval
+            if interval and (step + 1) % interval == 0 and step + 1 != steps:
+                self.checkpoint(step + 1)
+        if step + 1 > self.start_step or not (self.run_dir / "checkpoints" / f"step-{steps}").exists():
+            self.checkpoint(steps)
         final = self.export(steps) if cfg.checkpoint.export_final else None
         if metrics:
             metrics.close()
         if console:
             console.done(self.run_dir, final, time.perf_counter() - started)
 
+    def _stop_agreed(self) -> bool:
+        """All ranks stop at the same step if any of them was asked to (one tiny all-reduce)."""
+        flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def checkpoint(self, step: int) -> Path | None:
+        if not self.cfg.checkpoint.enabled:
+            return None
+        t = time.perf_counter()
+        train_state = {"tokens": self.tokens_seen, "model_args": self.spec.model_args, "config": self.spec.config,
+                       "dp_size": self.dp_size, "world_size": self.world}
+        path = save_checkpoint(self.run_dir, step, self.model, self.optimizer, train_state,
+                               self.spec.tokenizer_files, self.cfg.checkpoint.keep)
+        if self.rank == 0:
+            _Console().out.print(f"checkpoint {path} ({time.perf_counter() - t:.1f} s)")
+        return path
+
     # ------------------------------------------------------------------ export
 
     def export(self, step: int) -> Path:
-        """Model weights in Hugging Face format under checkpoints/step-N (all ranks gather,
-        rank 0 writes)."""
+        """Model weights in Hugging Face format under hf/step-N (all ranks gather, rank 0
+        writes)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        out = self.run_dir / "checkpoints" / f"step-{step}"
+        out = self.run_dir / "hf" / f"step-{step}"
         model = unwrap(self.model)
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
@@ -298,6 +355,19 @@ class Trainer:
             save_hf_state_dict(state, self.args, out, extra_files=[Path(f) for f in self.spec.tokenizer_files])
         dist.barrier()
         return out
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """On resume, drop records past the checkpoint (a run that died after logging steps it
+    never saved): metrics.jsonl then holds each step once, as if never interrupted."""
+    if not path.exists():
+        return
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in lines if json.loads(line)["step"] <= last_step]
+    if len(kept) != len(lines):
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
 
 
 def _clean_name(name: str) -> str:
@@ -320,10 +390,11 @@ class _Console:
             f"[bold]duoka train[/] {t.args.num_params() / 1e6:.1f}M parameters | {t.dims.describe()} on "
             f"{t.world} x {t.device.type} | {str(t.compute_dtype).removeprefix('torch.')} | global batch "
             f"{b.global_batch} = micro-batch {b.micro_batch} x accumulation {b.accumulation} x dp {b.dp_size} | "
-            f"seq {t.cfg.training.seq_len} | peak lr {t.peak_lr:.3g}")
+            f"seq {t.cfg.training.seq_len} | peak lr {t.peak_lr:.3g}"
+            + (f" | resumed at step {t.start_step} from {t.spec.resume_from}" if t.spec.resume_from else ""))
 
-    def progress(self, r: dict, steps: int, elapsed: float) -> None:
-        eta = elapsed / r["step"] * (steps - r["step"])
+    def progress(self, r: dict, steps: int, elapsed: float, start_step: int = 0) -> None:
+        eta = elapsed / max(1, r["step"] - start_step) * (steps - r["step"])
         mfu_text = f" | MFU {100 * r['mfu']:.1f}%" if r["mfu"] is not None else ""
         self.out.print(f"step {r['step']:>5}/{steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
                        f"{r['tokens_per_s']:,.0f} tok/s{mfu_text} | {r['step_time_s']:.2f} s/step | "

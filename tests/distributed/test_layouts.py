@@ -34,7 +34,7 @@ def losses(run_dir: Path) -> list[float]:
 
 
 def weights(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(run_dir / "checkpoints" / f"step-{STEPS}" / "model.safetensors")
+    return load_file(run_dir / "hf" / f"step-{STEPS}" / "model.safetensors")
 
 
 def assert_same_run(run: Path, ref: Path):

@@ -36,7 +36,8 @@ def test_default_run_shortened_trains_and_generates(tmp_path):
     assert first > 8.0 and last < first - 1.0  # ln(4096) = 8.3 at the start; clearly falling
     assert records[-1]["tokens"] == 40 * 16 * 128
     assert (run / "config.toml").is_file()
-    final = run / "checkpoints" / "step-40"
+    final = run / "hf" / "step-40"
+    assert (run / "checkpoints" / "step-40" / "train_state.json").is_file()  # the resumable one
     assert f"duoka generate --model {final}" in proc.stderr
 
     gen = duoka("generate", "--model", str(final), "--prompt", "Return the", "--max-new-tokens", "10")
@@ -44,7 +45,7 @@ def test_default_run_shortened_trains_and_generates(tmp_path):
     assert gen.stdout.strip()
 
     again = duoka("train", f"--job.output_dir={run}", "--training.steps=2")
-    assert_user_error(again, "already holds a run")
+    assert_user_error(again, "already holds a run", "--checkpoint.resume=auto")
 
 
 def test_resolved_config_is_reusable(tmp_path):

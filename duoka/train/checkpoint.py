@@ -1,0 +1,118 @@
+"""Resumable checkpoints with torch.distributed.checkpoint (DCP).
+
+A checkpoint is a folder `checkpoints/step-N/` holding
+- the DCP files of the model and optimizer state, each rank writing its own shards
+  (parameter names are the plain model's, so any layout can load them: DCP reshards);
+- `train_state.json`: step, tokens seen, the model shape, the resolved config and the RNG
+  state, everything else needed to continue;
+- the tokenizer files, so `duoka export` of one folder is self-contained.
+
+Atomicity: everything is written into `step-N.partial` and renamed to `step-N` by rank 0
+only after every rank finished; a folder without that rename is never loaded, so a crash
+or kill -9 mid-save leaves the previous checkpoint as the newest complete one. The data
+order and the LR schedule are functions of the step, so the step is all the sampler needs
+to reproduce the remaining stream exactly, under any number of data-parallel ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from duoka.errors import DuokaError
+
+STATE_FILE = "train_state.json"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def complete_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first (a folder counts once renamed and with its state file)."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and (p / STATE_FILE).is_file() and (p / ".metadata").is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def find_resume_checkpoint(run_dir: Path, resume: str) -> Path | None:
+    if not resume:
+        return None
+    if resume == "auto":
+        done = complete_checkpoints(run_dir)
+        return done[-1] if done else None
+    path = Path(resume)
+    if not (path / STATE_FILE).is_file() or not (path / ".metadata").is_file():
+        raise DuokaError(f"checkpoint.resume={resume} is not a complete duoka checkpoint "
+                         f"(it needs {STATE_FILE} and .metadata)",
+                         "point at a checkpoints/step-N folder, or use checkpoint.resume=auto")
+    return path
+
+
+def read_train_state(path: Path) -> dict:
+    return json.loads((path / STATE_FILE).read_text())
+
+
+def _app_state(model, optimizer) -> dict:
+    # Full FQNs of the plain model; DTensor shards stay sharded (no gather on save).
+    opts = StateDictOptions(full_state_dict=False)
+    return {"model": get_model_state_dict(model, options=opts),
+            "optimizer": get_optimizer_state_dict(model, optimizer, options=opts)}
+
+
+def save_checkpoint(run_dir: Path, step: int, model, optimizer, train_state: dict, tokenizer_files: list[str],
+                    keep: int) -> Path:
+    rank = dist.get_rank()
+    final = run_dir / "checkpoints" / f"step-{step}"
+    partial = final.with_name(final.name + ".partial")
+    if rank == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(_app_state(model, optimizer), checkpoint_id=str(partial))
+    if rank == 0:
+        state = dict(train_state, step=step, rng_cpu=torch.get_rng_state().tolist())
+        (partial / STATE_FILE).write_text(json.dumps(state, indent=1))
+        for f in tokenizer_files:
+            shutil.copy2(f, partial / Path(f).name)
+        if final.exists():  # a re-run of the same step: replace it only now that the new one is whole
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        for old in complete_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(path: Path, model, optimizer) -> dict:
+    """Load model and optimizer state into the (possibly differently) parallelized model."""
+    state = _app_state(model, optimizer)
+    dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=False))
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=False))
+    train_state = read_train_state(path)
+    torch.set_rng_state(torch.tensor(train_state["rng_cpu"], dtype=torch.uint8))
+    return train_state
+
+
+def load_model_weights(path: Path, model) -> None:
+    """Only the model part (for export): a plain single-process model, no process group."""
+    state = {"model": model.state_dict()}
+    dcp.load(state, checkpoint_id=str(path))
