@@ -77,8 +77,28 @@ def _app_state(model, optimizer) -> dict:
             "optimizer": get_optimizer_state_dict(model, optimizer, options=opts)}
 
 
+class PendingSave:
+    """An asynchronous save in flight: the state was copied to host memory (training was
+    blocked only for that), the files are being written by a background thread. Rank 0
+    publishes the checkpoint (state file, rename, pruning) once its write is done: DCP's
+    coordinator finishes only after every rank has written, so that is safe."""
+
+    def __init__(self, future, publish):
+        self.future, self.publish = future, publish
+
+    def poll(self, wait: bool = False) -> bool:
+        if not wait and not self.future.done():
+            return False
+        self.future.result()  # re-raises a failed write
+        self.publish()
+        return True
+
+
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, train_state: dict, tokenizer_files: list[str],
-                    keep: int) -> Path:
+                    keep: int, async_group=None):
+    """Returns the checkpoint path, or a PendingSave when given async_group: a gloo process
+    group of its own, since the background thread's collectives must not interleave with
+    the training loop's on the same group."""
     rank = dist.get_rank()
     final = run_dir / "checkpoints" / f"step-{step}"
     partial = final.with_name(final.name + ".partial")
@@ -86,17 +106,25 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, train_state: dic
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     dist.barrier()
-    dcp.save(_app_state(model, optimizer), checkpoint_id=str(partial))
-    if rank == 0:
-        state = dict(train_state, step=step, rng_cpu=torch.get_rng_state().tolist())
+    state = dict(train_state, step=step, rng_cpu=torch.get_rng_state().tolist())
+
+    def publish() -> None:
+        if rank != 0:
+            return
         (partial / STATE_FILE).write_text(json.dumps(state, indent=1))
         for f in tokenizer_files:
             shutil.copy2(f, partial / Path(f).name)
         if final.exists():  # a re-run of the same step: replace it only now that the new one is whole
             shutil.rmtree(final)
         os.replace(partial, final)
-        for old in complete_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        for old in complete_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
+
+    if async_group is not None:
+        future = dcp.async_save(_app_state(model, optimizer), checkpoint_id=str(partial), process_group=async_group)
+        return PendingSave(future, publish)
+    dcp.save(_app_state(model, optimizer), checkpoint_id=str(partial))
+    publish()
     dist.barrier()
     return final
 

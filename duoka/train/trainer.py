@@ -144,9 +144,14 @@ class Trainer:
         self.flops_per_token = self.args.flops_per_token(cfg.training.seq_len)
 
         self.start_step, self.tokens_seen = 0, 0
+        self.pending_save = None
+        self.async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
         if spec.resume_from:
+            t = time.perf_counter()
             state = load_checkpoint(Path(spec.resume_from), self.model, self.optimizer)
             self.start_step, self.tokens_seen = state["step"], state["tokens"]
+            if self.rank == 0:
+                _Console().out.print(f"loaded {spec.resume_from} in {time.perf_counter() - t:.1f} s")
         # A preempted job gets SIGTERM: finish the step, save, then stop (see train()).
         self.stop_requested = False
         signal.signal(signal.SIGTERM, self._on_sigterm)
@@ -299,8 +304,11 @@ class Trainer:
             if console and ((step + 1) % cfg.metrics.log_interval == 0 or step + 1 == steps or step == 0):
                 console.progress(record, steps, time.perf_counter() - started, self.start_step)
             self.tokens_seen = tokens_seen
+            if self.pending_save is not None and self.pending_save.poll():
+                self.pending_save = None
             if self._stop_agreed():
                 self.checkpoint(step + 1)
+                self._finish_pending_save()
                 if is_main:
                     (self.run_dir / "STOPPED").write_text(str(step + 1))
                 if console:
@@ -314,6 +322,7 @@ class Trainer:
                 self.checkpoint(step + 1)
         if step + 1 > self.start_step or not (self.run_dir / "checkpoints" / f"step-{steps}").exists():
             self.checkpoint(steps)
+        self._finish_pending_save()
         final = self.export(steps) if cfg.checkpoint.export_final else None
         if metrics:
             metrics.close()
@@ -326,17 +335,26 @@ class Trainer:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 
-    def checkpoint(self, step: int) -> Path | None:
+    def _finish_pending_save(self) -> None:
+        if self.pending_save is not None:
+            self.pending_save.poll(wait=True)
+            self.pending_save = None
+        dist.barrier()
+
+    def checkpoint(self, step: int, final: bool = False) -> None:
         if not self.cfg.checkpoint.enabled:
-            return None
+            return
+        self._finish_pending_save()  # one save in flight at a time
         t = time.perf_counter()
         train_state = {"tokens": self.tokens_seen, "model_args": self.spec.model_args, "config": self.spec.config,
                        "dp_size": self.dp_size, "world_size": self.world}
-        path = save_checkpoint(self.run_dir, step, self.model, self.optimizer, train_state,
-                               self.spec.tokenizer_files, self.cfg.checkpoint.keep)
+        result = save_checkpoint(self.run_dir, step, self.model, self.optimizer, train_state,
+                                 self.spec.tokenizer_files, self.cfg.checkpoint.keep, self.async_group)
+        if self.async_group is not None:
+            self.pending_save = result
         if self.rank == 0:
-            _Console().out.print(f"checkpoint {path} ({time.perf_counter() - t:.1f} s)")
-        return path
+            how = "staged; writing in the background" if self.cfg.checkpoint.async_save else "written"
+            _Console().out.print(f"checkpoint step-{step} {how}: training blocked {time.perf_counter() - t:.2f} s")
 
     # ------------------------------------------------------------------ export
 

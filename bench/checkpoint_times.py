@@ -1,0 +1,78 @@
+"""Checkpoint save/restore times and the data-wait share for a Qwen2 shape on this machine's GPUs.
+
+    python bench/checkpoint_times.py --flavor qwen2-1.5b --out $OUT/checkpoint_times.json
+
+Three `duoka train` runs on the bundled corpus (seq 2048, micro-batch 4, bf16, FSDP2 over
+the visible GPUs): (1) 4 steps with synchronous checkpoints at steps 2 and 4; (2) resume
+from step 4 to step 5 (restore time, then one more synchronous save); (3) 4 fresh steps
+with asynchronous checkpoints at 2 and 4. The "blocked" figure is how long the training
+loop waited for each save (sync: the whole write; async: the copy to host memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def train(run: Path, *extra: str) -> str:
+    cmd = [sys.executable, "-m", "duoka.cli", "train", f"--job.output_dir={run}", *BASE, *extra]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=400,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if proc.returncode != 0:
+        raise SystemExit(proc.stderr[-3000:])
+    return proc.stderr
+
+
+def blocked(log: str) -> list[float]:
+    return [float(x) for x in re.findall(r"training blocked ([\d.]+) s", log)]
+
+
+def main() -> None:
+    global BASE
+    p = argparse.ArgumentParser()
+    p.add_argument("--flavor", default="qwen2-1.5b")
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--dir", type=Path, default=Path("/tmp/duoka-ckpt-bench"))
+    a = p.parse_args()
+    BASE = [f"--model.flavor={a.flavor}", f"--model.tokenizer={ROOT / 'duoka' / 'assets' / 'tiny-qwen2'}",
+            "--training.seq_len=2048", "--training.micro_batch_size=4", "--parallel.dp_mode=fsdp",
+            "--checkpoint.interval=2", "--checkpoint.keep=1", "--checkpoint.export_final=false",
+            "--metrics.log_interval=1"]
+    import torch
+
+    n = torch.cuda.device_count()
+    BASE.append(f"--training.global_batch_size={4 * n}")
+    shutil.rmtree(a.dir, ignore_errors=True)
+    res = {"flavor": a.flavor, "gpus": n, "gpu": torch.cuda.get_device_name()}
+
+    sync_run = a.dir / "sync"
+    log = train(sync_run, "--training.steps=4")
+    res["sync_save_blocked_s"] = blocked(log)
+    ckpt = sync_run / "checkpoints" / "step-4"
+    res["checkpoint_gib"] = round(sum(f.stat().st_size for f in ckpt.glob("*.distcp")) / 2**30, 2)
+    recs = [json.loads(x) for x in (sync_run / "metrics.jsonl").read_text().splitlines()]
+    res["data_wait_share"] = [round(r["data_time_s"] / r["step_time_s"], 4) for r in recs[1:]]
+    res["step_time_s"] = [round(r["step_time_s"], 3) for r in recs]
+    log = train(sync_run, "--training.steps=5", "--checkpoint.resume=auto")
+    res["restore_s"] = float(re.search(r"loaded .* in ([\d.]+) s", log).group(1))
+    shutil.rmtree(sync_run)
+    log = train(a.dir / "async", "--training.steps=4", "--checkpoint.async_save=true")
+    res["async_save_blocked_s"] = blocked(log)
+    shutil.rmtree(a.dir, ignore_errors=True)
+    a.out.write_text(json.dumps(res, indent=2) + "\n")
+    print(json.dumps(res, indent=2))
+
+
+BASE: list[str] = []
+
+if __name__ == "__main__":
+    main()
