@@ -344,8 +344,8 @@ class Trainer:
     def checkpoint(self, step: int, final: bool = False) -> None:
         if not self.cfg.checkpoint.enabled:
             return
-        self._finish_pending_save()  # one save in flight at a time
         t = time.perf_counter()
+        self._finish_pending_save()  # one save in flight at a time (waiting for it blocks training too)
         train_state = {"tokens": self.tokens_seen, "model_args": self.spec.model_args, "config": self.spec.config,
                        "dp_size": self.dp_size, "world_size": self.world}
         result = save_checkpoint(self.run_dir, step, self.model, self.optimizer, train_state,
