@@ -54,22 +54,25 @@ def main() -> None:
     shutil.rmtree(a.dir, ignore_errors=True)
     res = {"flavor": a.flavor, "gpus": n, "gpu": torch.cuda.get_device_name()}
 
+    def record(**kv):  # written after every phase, so a timed-out call still returns what it measured
+        res.update(kv)
+        a.out.write_text(json.dumps(res, indent=2) + "\n")
+        print(json.dumps(kv), flush=True)
+
     sync_run = a.dir / "sync"
     log = train(sync_run, "--training.steps=4")
-    res["sync_save_blocked_s"] = blocked(log)
     ckpt = sync_run / "checkpoints" / "step-4"
-    res["checkpoint_gib"] = round(sum(f.stat().st_size for f in ckpt.glob("*.distcp")) / 2**30, 2)
     recs = [json.loads(x) for x in (sync_run / "metrics.jsonl").read_text().splitlines()]
-    res["data_wait_share"] = [round(r["data_time_s"] / r["step_time_s"], 4) for r in recs[1:]]
-    res["step_time_s"] = [round(r["step_time_s"], 3) for r in recs]
+    record(sync_save_blocked_s=blocked(log),
+           checkpoint_gib=round(sum(f.stat().st_size for f in ckpt.glob("*.distcp")) / 2**30, 2),
+           data_wait_share=[round(r["data_time_s"] / r["step_time_s"], 4) for r in recs[1:]],
+           step_time_s=[round(r["step_time_s"], 3) for r in recs])
     log = train(sync_run, "--training.steps=5", "--checkpoint.resume=auto")
-    res["restore_s"] = float(re.search(r"loaded .* in ([\d.]+) s", log).group(1))
+    record(restore_s=float(re.search(r"loaded .* in ([\d.]+) s", log).group(1)))
     shutil.rmtree(sync_run)
     log = train(a.dir / "async", "--training.steps=4", "--checkpoint.async_save=true")
-    res["async_save_blocked_s"] = blocked(log)
+    record(async_save_blocked_s=blocked(log))
     shutil.rmtree(a.dir, ignore_errors=True)
-    a.out.write_text(json.dumps(res, indent=2) + "\n")
-    print(json.dumps(res, indent=2))
 
 
 BASE: list[str] = []

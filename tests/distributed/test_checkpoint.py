@@ -68,14 +68,16 @@ def test_resume_is_exact_and_reshards(tmp_path):
         assert diff <= 1e-5
 
 
-def test_keep_last_k_and_export_round_trip(tmp_path):
+def test_async_keep_last_k_and_export_round_trip(tmp_path):
     from transformers import Qwen2ForCausalLM
 
     from duoka.models.qwen2.hf_adapter import load_hf_model
 
     run = tmp_path / "run"
-    duoka("train", f"--job.output_dir={run}", "--training.steps=6", "--checkpoint.interval=2", "--checkpoint.keep=2",
-          *COMMON)
+    proc = duoka("train", f"--job.output_dir={run}", "--training.steps=6", "--checkpoint.interval=2",
+                 "--checkpoint.keep=2", "--checkpoint.async_save=true", "--nproc-per-node=2",
+                 "--parallel.dp_mode=fsdp", *COMMON)
+    assert "writing in the background" in proc.stderr
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-4", "step-6"]
     out = tmp_path / "exported"
     proc = duoka("export", str(run / "checkpoints" / "step-6"), "--out", str(out), "--dtype", "float32",
