@@ -270,33 +270,15 @@ class Trainer:
                 torch.cuda.synchronize(self.device)
             step_time = time.perf_counter() - t0
 
-            # One small all-gather carries every rank's figures for the metrics line.
-            mine = torch.tensor([loss_sum.item(), local_tokens, step_time, t_data], device=self.device,
-                                dtype=torch.float64)
+            # One small all-gather per step carries every rank's figures for the metrics line
+            # and whether any rank was asked to stop (SIGTERM), so all stop at the same step.
+            mine = torch.tensor([loss_sum.item(), local_tokens, step_time, t_data, float(self.stop_requested)],
+                                device=self.device, dtype=torch.float64)
             gathered = [torch.zeros_like(mine) for _ in range(self.world)]
             dist.all_gather(gathered, mine)
             per_rank = torch.stack(gathered).cpu()
-            step_tokens = int(per_rank[:, 1].sum())
-            tokens_seen += step_tokens
-            slowest = float(per_rank[:, 2].max())
-            tps = step_tokens / slowest
-            record = {
-                "step": step + 1,
-                "loss": float(per_rank[:, 0].sum() / per_rank[:, 1].sum()),
-                "lr": lr,
-                "grad_norm": float(grad_norm),
-                "tokens": tokens_seen,
-                "tokens_per_s": tps,
-                "tokens_per_s_per_gpu": tps / self.world,
-                "mfu": mfu(self.flops_per_token, tps, self.world, self.peak),
-                "step_time_s": slowest,
-                "data_time_s": float(per_rank[:, 3].max()),
-                "per_rank": {
-                    "loss": [float(r[0] / r[1]) if r[1] > 0 else None for r in per_rank],
-                    "step_time_s": [float(r[2]) for r in per_rank],
-                    "data_time_s": [float(r[3]) for r in per_rank],
-                },
-            }
+            tokens_seen += int(per_rank[:, 1].sum())
+            record = self._record(step + 1, per_rank, tokens_seen, lr, float(grad_norm))
             if self.device.type == "cuda":
                 record["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
             if metrics:
@@ -306,7 +288,7 @@ class Trainer:
             self.tokens_seen = tokens_seen
             if self.pending_save is not None and self.pending_save.poll():
                 self.pending_save = None
-            if self._stop_agreed():
+            if per_rank[:, 4].max() > 0:
                 self.checkpoint(step + 1)
                 self._finish_pending_save()
                 if is_main:
@@ -329,11 +311,28 @@ class Trainer:
         if console:
             console.done(self.run_dir, final, time.perf_counter() - started)
 
-    def _stop_agreed(self) -> bool:
-        """All ranks stop at the same step if any of them was asked to (one tiny all-reduce)."""
-        flag = torch.tensor([1.0 if self.stop_requested else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+    def _record(self, step: int, per_rank: torch.Tensor, tokens_seen: int, lr: float, grad_norm: float) -> dict:
+        """The metrics.jsonl line (design.md's contract) from the gathered per-rank rows
+        [loss sum, target tokens, step time, data time, stop flag]."""
+        slowest = float(per_rank[:, 2].max())  # a synchronous step takes as long as its slowest rank
+        tps = float(per_rank[:, 1].sum()) / slowest
+        return {
+            "step": step,
+            "loss": float(per_rank[:, 0].sum() / per_rank[:, 1].sum()),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens": tokens_seen,
+            "tokens_per_s": tps,
+            "tokens_per_s_per_gpu": tps / self.world,
+            "mfu": mfu(self.flops_per_token, tps, self.world, self.peak),
+            "step_time_s": slowest,
+            "data_time_s": float(per_rank[:, 3].max()),
+            "per_rank": {
+                "loss": [float(r[0] / r[1]) if r[1] > 0 else None for r in per_rank],
+                "step_time_s": [float(r[2]) for r in per_rank],
+                "data_time_s": [float(r[3]) for r in per_rank],
+            },
+        }
 
     def _finish_pending_save(self) -> None:
         if self.pending_save is not None:
@@ -341,7 +340,7 @@ class Trainer:
             self.pending_save = None
         dist.barrier()
 
-    def checkpoint(self, step: int, final: bool = False) -> None:
+    def checkpoint(self, step: int) -> None:
         if not self.cfg.checkpoint.enabled:
             return
         t = time.perf_counter()
