@@ -51,6 +51,9 @@ class DataConfig:
                         ".jsonl.gz file, or a folder of them. Empty: the bundled corpus. `random`: uniform random "
                         "tokens (for throughput measurements only).")
     text_field: str = opt("text", "JSONL field that holds the document text.")
+    document_masking: bool = opt(False, "In packed windows, attend only within each document and restart "
+                                        "positions per document (exact; an SDPA mask for now, its GPU cost not yet "
+                                        "measured). Off: plain causal windows across document boundaries.")
 
 
 @dataclass

@@ -82,18 +82,24 @@ def _cache_dir() -> Path:
     return Path(base).expanduser() / "tokens"
 
 
-def tokenize_corpus(path: Path, tokenizer, text_field: str = "text") -> Path:
-    """Token ids of all documents, end-of-text between them, as a cached uint32 .npy file.
-
-    The cache key covers the files (path, size, mtime), the tokenizer's content hash and
-    the field, so a changed corpus or tokenizer is tokenized again."""
-    files = corpus_files(path)
+def end_of_text_id(tokenizer) -> int:
+    """The token between packed documents: Qwen2's <|endoftext|>, else the eos token."""
     eot = tokenizer.token_to_id("<|endoftext|>")
     if eot is None:
         eot = tokenizer.eos_id
     if eot is None:
         raise DuokaError(f"tokenizer {tokenizer.folder} has no <|endoftext|> or eos token to separate documents",
                          "use a Qwen2 tokenizer")
+    return eot
+
+
+def tokenize_corpus(path: Path, tokenizer, text_field: str = "text") -> Path:
+    """Token ids of all documents, end-of-text between them, as a cached uint32 .npy file.
+
+    The cache key covers the files (path, size, mtime), the tokenizer's content hash and
+    the field, so a changed corpus or tokenizer is tokenized again."""
+    files = corpus_files(path)
+    eot = end_of_text_id(tokenizer)
     key = hashlib.sha256()
     for f in files:
         st = f.stat()
@@ -160,6 +166,18 @@ class RandomTokens:
         return torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=g)
 
 
+def document_layout(inputs: torch.Tensor, eot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token document index and position within the document for packed inputs
+    [batch, seq]: a document ends with its end-of-text token, the next one starts after it."""
+    is_eot = inputs == eot
+    doc = torch.cumsum(is_eot.long(), dim=1) - is_eot.long()  # the end-of-text stays in its document
+    index = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
+    starts = torch.ones_like(is_eot)
+    starts[:, 1:] = is_eot[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values
+    return doc, index - first
+
+
 def global_batch_indices(step: int, global_batch: int, n_samples: int, seed: int) -> list[int]:
     """Sample indices of optimizer step `step` (0-based): a function of (seed, step) only."""
     if n_samples > 2**32:  # RandomTokens: every index is already random, nothing to shuffle
@@ -188,3 +206,48 @@ def rank_batches(dataset, step: int, global_batch: int, micro_batch: int, dp_ran
     per_rank = global_batch // dp_size
     indices = global_batch_indices(step, global_batch, len(dataset), seed)[dp_rank * per_rank : (dp_rank + 1) * per_rank]
     return [torch.stack([dataset[i] for i in indices[k : k + micro_batch]]) for k in range(0, per_rank, micro_batch)]
+
+
+class Prefetcher:
+    """Builds the next steps' micro-batches in a background thread, in pinned memory on
+    GPU machines, so the training loop only waits when the host falls behind; that wait
+    is what metrics.jsonl reports as data_time_s. A thread suffices: the work is numpy
+    slicing and a copy, which release the GIL."""
+
+    def __init__(self, make_batches, first_step: int, last_step: int, pin: bool, depth: int = 2):
+        import queue
+        import threading
+
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+
+        def run():
+            try:
+                for step in range(first_step, last_step):
+                    batches = make_batches(step)
+                    if pin:
+                        batches = [b.pin_memory() for b in batches]
+                    while not self._stop.is_set():
+                        try:
+                            self._queue.put((step, batches), timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if self._stop.is_set():
+                        return
+            except BaseException as e:  # surfaced in the training loop, not lost in a thread
+                self._queue.put((None, e))
+
+        self._thread = threading.Thread(target=run, name="duoka-data", daemon=True)
+        self._thread.start()
+
+    def get(self, step: int) -> list[torch.Tensor]:
+        got, batches = self._queue.get()
+        if got is None:
+            raise batches
+        assert got == step, f"data for step {got} arrived while step {step} was expected"
+        return batches
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -94,7 +94,7 @@ def launch_training(
     gpus: str | None = None,
     log=print,
 ) -> Path:
-    from duoka.data.dataset import RANDOM_DATA, PackedWindows, tokenize_corpus
+    from duoka.data.dataset import RANDOM_DATA, PackedWindows, end_of_text_id, tokenize_corpus
     from duoka.hub import bundled_corpus
     from duoka.data.tokenizer import Tokenizer
     from duoka.parallel.devices import device_env, read_gpus, select_gpus
@@ -143,6 +143,7 @@ def launch_training(
 
     tokenizer_files: list[str] = []
     token_file = None
+    end_of_text = None
     if cfg.data.path == RANDOM_DATA:
         if tokenizer_dir is not None:
             tokenizer_files = _tokenizer_files(tokenizer_dir)
@@ -157,6 +158,7 @@ def launch_training(
         data_path = Path(cfg.data.path) if cfg.data.path else bundled_corpus()
         t = time.perf_counter()
         token_file = str(tokenize_corpus(data_path, tokenizer, cfg.data.text_field))
+        end_of_text = end_of_text_id(tokenizer)
         windows = len(PackedWindows(Path(token_file), cfg.training.seq_len))  # raises if the corpus is too small
         log(f"duoka: data {data_path}: {windows:,} windows of {cfg.training.seq_len} tokens "
             f"({time.perf_counter() - t:.1f} s)")
@@ -179,7 +181,8 @@ def launch_training(
 
     spec = WorkerSpec(config=cfg.to_dict(), run_dir=str(run_dir), model_args=asdict(args),
                       model_dir=str(model_dir) if model_dir else None, token_file=token_file,
-                      tokenizer_files=tokenizer_files, resume_from=str(resume_from) if resume_from else None)
+                      tokenizer_files=tokenizer_files, resume_from=str(resume_from) if resume_from else None,
+                      end_of_text=end_of_text)
     if not gpu_list and "OMP_NUM_THREADS" not in os.environ and nproc_per_node > 1:
         # CPU workers share the cores; without this each starts one thread per core and
         # they oversubscribe the machine (torchrun sets 1; a fair share is faster).

@@ -121,10 +121,11 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = q.shape[1] != k.shape[1]
-        if cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        else:
+        if cache is not None:
             k, v = cache.update(layer, input_pos, k, v)
+        if mask is None:  # plain causal attention: the fused kernels' fast path
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:  # a cache's position mask, or causal within each packed document
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
@@ -202,17 +203,27 @@ class Qwen2(nn.Module):
         tokens: torch.Tensor,
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
+        document_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens: [batch, seq] -> logits [batch, seq, vocab] in the compute dtype.
 
         positions: [seq] or [batch, seq]; defaults to 0..seq-1. With a cache, positions
         are where the tokens go in the cache (a [seq] tensor), and every query attends to
-        all cached keys at or before its own position."""
+        all cached keys at or before its own position. document_ids: [batch, seq] for
+        packed sequences: a token attends only to earlier tokens of its own document (give
+        positions restarting per document too, see duoka.data.dataset.document_layout)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
             positions = torch.arange(h.shape[1], device=h.device)
         cos, sin = rope_cos_sin(positions, self.args.resolved_head_dim, self.args.rope_theta, h.dtype)
-        mask = cache.mask(positions) if cache is not None else None
+        mask = None
+        if cache is not None:
+            mask = cache.mask(positions)
+        elif document_ids is not None:
+            seq = document_ids.shape[1]
+            causal = torch.ones(seq, seq, dtype=torch.bool, device=h.device).tril()
+            mask = (document_ids[:, :, None] == document_ids[:, None, :]) & causal
+            mask = mask[:, None]  # [batch, 1 (all heads), query, key]
         for name, layer in self.layers.items():
             h = layer(h, cos, sin, cache, name, positions, mask)
         if self.norm is not None:
