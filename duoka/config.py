@@ -50,7 +50,15 @@ class DataConfig:
     path: str = opt("", "Training text: a .txt file (one document per blank-line-separated block), a .jsonl or "
                         ".jsonl.gz file, or a folder of them. Empty: the bundled corpus. `random`: uniform random "
                         "tokens (for throughput measurements only).")
-    text_field: str = opt("text", "JSONL field that holds the document text.")
+    mode: str = opt("pretrain", "pretrain: documents packed into windows, every token a target. sft: chat "
+                                "conversations (JSONL, a list of messages per line) rendered with the model's chat "
+                                "template, loss on the assistant turns only, whole conversations packed per window.",
+                    choices=("pretrain", "sft"))
+    text_field: str = opt("text", "JSONL field that holds the document text (pretrain).")
+    messages_field: str = opt("messages", "JSONL field that holds the list of {role, content} messages (sft).")
+    sft_overlong: str = opt("truncate", "sft: a conversation longer than training.seq_len + 1 tokens is cut to "
+                                        "fit (truncate) or skipped (drop); counts are reported.",
+                            choices=("truncate", "drop"))
     document_masking: bool = opt(False, "In packed windows, attend only within each document and restart "
                                         "positions per document (exact; an SDPA mask for now, its GPU cost not yet "
                                         "measured). Off: plain causal windows across document boundaries.")

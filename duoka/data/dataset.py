@@ -166,6 +166,16 @@ class RandomTokens:
         return torch.randint(0, self.vocab_size, (self.seq_len + 1,), generator=g)
 
 
+def split_batch(batch: torch.Tensor, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A stacked micro-batch -> (inputs, labels). Pretraining items are [seq_len + 1]
+    token windows; SFT items are [2, seq_len + 1] (tokens, target flags), whose non-target
+    labels become ignore_index."""
+    if batch.dim() == 2:
+        return batch[:, :-1], batch[:, 1:]
+    tokens, keep = batch[:, 0], batch[:, 1]
+    return tokens[:, :-1], tokens[:, 1:].masked_fill(keep[:, 1:] == 0, ignore_index)
+
+
 def document_layout(inputs: torch.Tensor, eot: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token document index and position within the document for packed inputs
     [batch, seq]: a document ends with its end-of-text token, the next one starts after it."""

@@ -95,6 +95,7 @@ def launch_training(
     log=print,
 ) -> Path:
     from duoka.data.dataset import RANDOM_DATA, PackedWindows, end_of_text_id, tokenize_corpus
+    from duoka.data.sft import prepare_sft
     from duoka.hub import bundled_corpus
     from duoka.data.tokenizer import Tokenizer
     from duoka.parallel.devices import device_env, read_gpus, select_gpus
@@ -155,13 +156,25 @@ def launch_training(
         if tokenizer.vocab_size > args.vocab_size:
             raise DuokaError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocabulary is "
                              f"{args.vocab_size}", "use the model's own tokenizer, or a flavor with a larger vocabulary")
-        data_path = Path(cfg.data.path) if cfg.data.path else bundled_corpus()
         t = time.perf_counter()
-        token_file = str(tokenize_corpus(data_path, tokenizer, cfg.data.text_field))
         end_of_text = end_of_text_id(tokenizer)
-        windows = len(PackedWindows(Path(token_file), cfg.training.seq_len))  # raises if the corpus is too small
-        log(f"duoka: data {data_path}: {windows:,} windows of {cfg.training.seq_len} tokens "
-            f"({time.perf_counter() - t:.1f} s)")
+        if cfg.data.mode == "sft":
+            if not cfg.data.path:
+                raise DuokaError("data.mode=sft needs data.path (JSONL conversations)",
+                                 'give a .jsonl file with one {"messages": [...]} per line')
+            data_path = Path(cfg.data.path)
+            token_path, stats = prepare_sft(data_path, tokenizer, cfg.training.seq_len, cfg.data.messages_field,
+                                            cfg.data.sft_overlong)
+            token_file = str(token_path)
+            log(f"duoka: sft data {data_path}: {stats.conversations:,} conversations -> {stats.windows:,} windows, "
+                f"{stats.target_tokens:,} target tokens; {stats.truncated} truncated, {stats.dropped} dropped "
+                f"(longer than {cfg.training.seq_len + 1} tokens) ({time.perf_counter() - t:.1f} s)")
+        else:
+            data_path = Path(cfg.data.path) if cfg.data.path else bundled_corpus()
+            token_file = str(tokenize_corpus(data_path, tokenizer, cfg.data.text_field))
+            windows = len(PackedWindows(Path(token_file), cfg.training.seq_len))  # raises if the corpus is too small
+            log(f"duoka: data {data_path}: {windows:,} windows of {cfg.training.seq_len} tokens "
+                f"({time.perf_counter() - t:.1f} s)")
         tokenizer_files = _tokenizer_files(tokenizer_dir)
 
     run_dir = run_directory(cfg, node_rank)

@@ -29,7 +29,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from duoka.config import Config
-from duoka.data.dataset import PackedWindows, Prefetcher, RandomTokens, document_layout, rank_batches
+from duoka.data.dataset import PackedWindows, Prefetcher, RandomTokens, document_layout, rank_batches, split_batch
+from duoka.data.sft import SFTWindows
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import ModelArgs
 from duoka.models.qwen2.hf_adapter import load_hf_weights, save_hf_state_dict
@@ -131,6 +132,8 @@ class Trainer:
 
         if spec.token_file is None:
             self.data = RandomTokens(self.args.vocab_size, cfg.training.seq_len, cfg.training.seed)
+        elif cfg.data.mode == "sft":
+            self.data = SFTWindows(Path(spec.token_file))
         else:
             self.data = PackedWindows(Path(spec.token_file), cfg.training.seq_len)
         # The end-of-text id that separates packed documents, when attention stops at them.
@@ -261,15 +264,15 @@ class Trainer:
                 torch.cuda.reset_peak_memory_stats(self.device)  # peak_mem_gib is this step's peak
             t0 = time.perf_counter()
             host = prefetch.get(step)
-            local_tokens = sum(int((b[:, 1:] != IGNORE_INDEX).sum()) for b in host)  # on the host: no GPU sync
-            micro = [b.to(self.device, non_blocking=True) for b in host]
+            host = [split_batch(b, IGNORE_INDEX) for b in host]
+            local_tokens = sum(int((labels != IGNORE_INDEX).sum()) for _, labels in host)  # on the host: no GPU sync
+            micro = [(x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)) for x, y in host]
             t_data = time.perf_counter() - t0
 
             global_tokens = torch.tensor(float(local_tokens), device=self.device)
             dist.all_reduce(global_tokens)
             loss_sum = torch.zeros((), device=self.device)
-            for i, batch in enumerate(micro):
-                inputs, labels = batch[:, :-1], batch[:, 1:]
+            for i, (inputs, labels) in enumerate(micro):
                 with self._sync_context(last=i == len(micro) - 1):
                     ce = self._summed_loss(inputs, labels)
                     (ce * self.dp_size / global_tokens).backward()

@@ -98,3 +98,22 @@ def test_two_launchers_on_loopback_form_one_job(reference, tmp_path):
     outs = [n.communicate(timeout=600) for n in nodes]
     assert [n.returncode for n in nodes] == [0, 0], [o[1][-2000:] for o in outs]
     assert_same_run(run, reference)
+
+
+def test_sft_masked_loss_is_layout_independent(tmp_path):
+    """With prompt tokens masked, ranks hold different numbers of targets; the global
+    token normalisation keeps DDP x2 equal to one process."""
+    from duoka.hub import bundled_model_dir
+
+    conv = [{"role": "user", "content": "What does sorted() return?"},
+            {"role": "assistant", "content": "A new sorted list."},
+            {"role": "user", "content": "And list.sort()?"}, {"role": "assistant", "content": "None; it sorts in place."}]
+    short = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": c}) for c in [conv, short] * 40) + "\n")
+    args = [f"--model.path={bundled_model_dir()}", "--data.mode=sft", f"--data.path={data}",
+            "--data.document_masking=true", "--optimizer.lr=1e-4"]
+    one = train(tmp_path / "one", "--nproc-per-node=1", *args)
+    assert "80 conversations" in one.stderr
+    train(tmp_path / "two", "--nproc-per-node=2", *args)
+    assert_same_run(tmp_path / "two", tmp_path / "one")

@@ -1,0 +1,153 @@
+"""Supervised fine-tuning data: chat conversations rendered with the model's chat template,
+the loss on the assistant's turns only, short conversations packed into windows.
+
+Input: JSONL (or .jsonl.gz) with one conversation per line, `{"messages": [{"role": ...,
+"content": ...}, ...]}`. Each conversation is rendered with the tokenizer's chat template
+and tokenized; a token is a target when its characters lie in an assistant turn: the
+spans come from the template's `{% generation %}` blocks where it has them, otherwise
+from rendering the conversation up to each assistant turn (ChatML templates such as
+Qwen2's render every prefix as a prefix of the whole). Conversations longer than a
+window are truncated or dropped (`data.sft_overlong`), with counts reported. Whole
+conversations are packed first-fit into windows of seq_len + 1 tokens, each followed by
+an end-of-text token that is never a target, padding with end-of-text at the end; with
+`data.document_masking` no conversation attends to another.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from duoka.data.dataset import _cache_dir, corpus_files, end_of_text_id
+from duoka.errors import DuokaError
+
+
+@dataclass
+class SFTStats:
+    conversations: int = 0
+    truncated: int = 0
+    dropped: int = 0
+    windows: int = 0
+    target_tokens: int = 0
+
+
+def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    text, spans = tokenizer.render_chat(messages)
+    if spans:
+        return text, spans
+    spans = []
+    for i, m in enumerate(messages):
+        if m.get("role") != "assistant":
+            continue
+        prefix, _ = tokenizer.render_chat(messages[:i], add_generation_prompt=True)
+        upto, _ = tokenizer.render_chat(messages[: i + 1])
+        if not text.startswith(prefix) or not text.startswith(upto):
+            raise DuokaError("the chat template does not render a conversation's beginning as a prefix of the whole, "
+                             "so the assistant turns cannot be located",
+                             "use a template with {% generation %} blocks around the assistant turns")
+        spans.append((len(prefix), len(upto)))
+    return text, spans
+
+
+def encode_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """Token ids and a 0/1 target flag per token."""
+    text, spans = assistant_spans(tokenizer, messages)
+    enc = tokenizer._tok.encode(text, add_special_tokens=False)
+    keep = [int(any(a < end and b > start for start, end in spans)) for a, b in enc.offsets]
+    return enc.ids, keep
+
+
+def iter_conversations(path: Path, field: str):
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DuokaError(f"{path}:{lineno} is not valid JSON ({e.msg})", "fix or remove that line") from None
+            messages = record.get(field) if isinstance(record, dict) else None
+            if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+                raise DuokaError(f"{path}:{lineno} has no list of messages in field {field!r}",
+                                 f'each line needs {{"{field}": [{{"role": "user", "content": "..."}}, ...]}} '
+                                 "(set data.messages_field if the field is named differently)")
+            yield messages
+
+
+def prepare_sft(path: Path, tokenizer, seq_len: int, field: str = "messages", overlong: str = "truncate"):
+    """Packed windows for SFT as two cached .npy files (tokens int32, targets uint8) of
+    shape [windows, seq_len + 1]; returns (tokens path, stats)."""
+    files = [f for f in corpus_files(path) if not f.name.endswith(".txt")]
+    if not files:
+        raise DuokaError(f"data.path {path} has no .jsonl files for data.mode=sft", "give JSONL conversations")
+    eot = end_of_text_id(tokenizer)
+    key = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        key.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    key.update(f"sft|{tokenizer.fingerprint}|{field}|{seq_len}|{overlong}".encode())
+    stem = _cache_dir() / f"sft-{key.hexdigest()[:24]}"
+    tokens_path, mask_path, stats_path = (stem.with_suffix(s) for s in (".tokens.npy", ".mask.npy", ".json"))
+    if tokens_path.is_file() and mask_path.is_file() and stats_path.is_file():
+        return tokens_path, SFTStats(**json.loads(stats_path.read_text()))
+
+    width = seq_len + 1
+    stats = SFTStats()
+    windows: list[tuple[list[int], list[int]]] = []  # open windows, first-fit
+    for f in files:
+        for messages in iter_conversations(f, field):
+            stats.conversations += 1
+            ids, keep = encode_conversation(tokenizer, messages)
+            ids, keep = ids + [eot], keep + [0]  # the separator is never a target
+            if len(ids) > width:
+                if overlong == "drop":
+                    stats.dropped += 1
+                    continue
+                stats.truncated += 1
+                ids, keep = ids[:width], keep[:width]
+            for w in windows:
+                if len(w[0]) + len(ids) <= width:
+                    w[0].extend(ids)
+                    w[1].extend(keep)
+                    break
+            else:
+                windows.append((list(ids), list(keep)))
+    if not windows:
+        raise DuokaError(f"no conversation of {path} was kept ({stats.dropped} dropped as longer than "
+                         f"{width} tokens)", "raise training.seq_len or set data.sft_overlong=truncate")
+    tokens = np.full((len(windows), width), eot, dtype=np.int32)
+    mask = np.zeros((len(windows), width), dtype=np.uint8)
+    for i, (ids, keep) in enumerate(windows):
+        tokens[i, : len(ids)] = ids
+        mask[i, : len(keep)] = keep
+    stats.windows = len(windows)
+    stats.target_tokens = int(mask[:, 1:].sum())
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    for target, array in ((tokens_path, tokens), (mask_path, mask)):
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp.npy")
+        np.save(tmp, array)
+        os.replace(tmp, target)
+    stats_path.write_text(json.dumps(stats.__dict__))
+    return tokens_path, stats
+
+
+class SFTWindows:
+    """Item i: a [2, seq_len + 1] tensor, tokens and their 0/1 target flags."""
+
+    def __init__(self, tokens_path: Path):
+        self.tokens = np.load(tokens_path, mmap_mode="r")
+        self.mask = np.load(str(tokens_path).replace(".tokens.npy", ".mask.npy"), mmap_mode="r")
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.from_numpy(np.stack([self.tokens[i].astype(np.int64), self.mask[i].astype(np.int64)]))
