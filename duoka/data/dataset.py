@@ -59,6 +59,17 @@ def iter_documents(path: Path, text_field: str) -> Iterator[str]:
         if block:
             yield "".join(block).rstrip("\n")
         return
+    for lineno, record in iter_jsonl(path):
+        text = record.get(text_field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise DuokaError(f"{path}:{lineno} has no string field {text_field!r}",
+                             f"set data.text_field to the field that holds the text (keys here: "
+                             f"{', '.join(record) if isinstance(record, dict) else type(record).__name__})")
+        yield text
+
+
+def iter_jsonl(path: Path) -> Iterator[tuple[int, object]]:
+    """(line number, parsed object) for each non-blank line of a .jsonl or .jsonl.gz file."""
     opener = gzip.open if path.name.endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
@@ -69,12 +80,18 @@ def iter_documents(path: Path, text_field: str) -> Iterator[str]:
             except json.JSONDecodeError as e:
                 raise DuokaError(f"{path}:{lineno} is not valid JSON ({e.msg})",
                                  "fix or remove that line (each line must be one JSON object)") from None
-            text = record.get(text_field) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise DuokaError(f"{path}:{lineno} has no string field {text_field!r}",
-                                 f"set data.text_field to the field that holds the text (keys here: "
-                                 f"{', '.join(record) if isinstance(record, dict) else type(record).__name__})")
-            yield text
+            yield lineno, record
+
+
+def cache_key(files: list[Path], *parts: object) -> str:
+    """Names a cached product of these files: changes when a file's path, size or mtime
+    changes, or any of the parts (tokenizer fingerprint, fields, lengths)."""
+    key = hashlib.sha256()
+    for f in files:
+        st = f.stat()
+        key.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
+    key.update("|".join(map(str, parts)).encode())
+    return key.hexdigest()[:24]
 
 
 def _cache_dir() -> Path:
@@ -100,12 +117,7 @@ def tokenize_corpus(path: Path, tokenizer, text_field: str = "text") -> Path:
     the field, so a changed corpus or tokenizer is tokenized again."""
     files = corpus_files(path)
     eot = end_of_text_id(tokenizer)
-    key = hashlib.sha256()
-    for f in files:
-        st = f.stat()
-        key.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
-    key.update(f"{tokenizer.fingerprint}|{text_field}|{eot}".encode())
-    out = _cache_dir() / f"{key.hexdigest()[:24]}.npy"
+    out = _cache_dir() / f"{cache_key(files, tokenizer.fingerprint, text_field, eot)}.npy"
     if out.is_file():
         return out
 

@@ -15,8 +15,6 @@ an end-of-text token that is never a target, padding with end-of-text at the end
 
 from __future__ import annotations
 
-import gzip
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -25,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from duoka.data.dataset import _cache_dir, corpus_files, end_of_text_id
+from duoka.data.dataset import _cache_dir, cache_key, corpus_files, end_of_text_id, iter_jsonl
 from duoka.errors import DuokaError
 
 
@@ -59,27 +57,19 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
 def encode_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
     """Token ids and a 0/1 target flag per token."""
     text, spans = assistant_spans(tokenizer, messages)
-    enc = tokenizer._tok.encode(text, add_special_tokens=False)
-    keep = [int(any(a < end and b > start for start, end in spans)) for a, b in enc.offsets]
-    return enc.ids, keep
+    ids, offsets = tokenizer.encode_with_offsets(text)
+    keep = [int(any(a < end and b > start for start, end in spans)) for a, b in offsets]
+    return ids, keep
 
 
 def iter_conversations(path: Path, field: str):
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DuokaError(f"{path}:{lineno} is not valid JSON ({e.msg})", "fix or remove that line") from None
-            messages = record.get(field) if isinstance(record, dict) else None
-            if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-                raise DuokaError(f"{path}:{lineno} has no list of messages in field {field!r}",
-                                 f'each line needs {{"{field}": [{{"role": "user", "content": "..."}}, ...]}} '
-                                 "(set data.messages_field if the field is named differently)")
-            yield messages
+    for lineno, record in iter_jsonl(path):
+        messages = record.get(field) if isinstance(record, dict) else None
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise DuokaError(f"{path}:{lineno} has no list of messages in field {field!r}",
+                             f'each line needs {{"{field}": [{{"role": "user", "content": "..."}}, ...]}} '
+                             "(set data.messages_field if the field is named differently)")
+        yield messages
 
 
 def prepare_sft(path: Path, tokenizer, seq_len: int, field: str = "messages", overlong: str = "truncate"):
@@ -89,12 +79,7 @@ def prepare_sft(path: Path, tokenizer, seq_len: int, field: str = "messages", ov
     if not files:
         raise DuokaError(f"data.path {path} has no .jsonl files for data.mode=sft", "give JSONL conversations")
     eot = end_of_text_id(tokenizer)
-    key = hashlib.sha256()
-    for f in files:
-        st = f.stat()
-        key.update(f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}\n".encode())
-    key.update(f"sft|{tokenizer.fingerprint}|{field}|{seq_len}|{overlong}".encode())
-    stem = _cache_dir() / f"sft-{key.hexdigest()[:24]}"
+    stem = _cache_dir() / f"sft-{cache_key(files, tokenizer.fingerprint, field, seq_len, overlong)}"
     tokens_path, mask_path, stats_path = (stem.with_suffix(s) for s in (".tokens.npy", ".mask.npy", ".json"))
     if tokens_path.is_file() and mask_path.is_file() and stats_path.is_file():
         return tokens_path, SFTStats(**json.loads(stats_path.read_text()))
