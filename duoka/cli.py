@@ -145,6 +145,32 @@ def run_train(a: argparse.Namespace) -> int:
     return 0
 
 
+def add_prepare_parser(sub) -> None:
+    p = sub.add_parser("prepare", help="tokenize a corpus once into memory-mapped shards + manifest",
+                       description="Text (.txt), JSONL (.jsonl, .jsonl.gz) or Parquet input, one shard per file, "
+                                   "tokenized in parallel. Resumable; a re-run on unchanged input does nothing. "
+                                   "Train on the result with --data.path=OUT.")
+    p.add_argument("--data", required=True, help="a file or a folder of files")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--tokenizer", default=None, help="folder or hub id with tokenizer.json "
+                   "(default: the tokenizer bundled with duoka, the one `duoka train` uses for the debug model)")
+    p.add_argument("--text-field", default="text", help="JSONL field / Parquet column with the text")
+    p.add_argument("--workers", type=int, default=None, help="processes (default: one per core, at most one per file)")
+    p.add_argument("--on-error", choices=("skip", "fail"), default="skip",
+                   help="malformed records: count, report and skip them, or fail")
+    p.set_defaults(func=run_prepare)
+
+
+def run_prepare(a: argparse.Namespace) -> int:
+    from duoka.data.prepare import prepare
+    from duoka.hub import resolve_model_dir
+
+    tokenizer = resolve_model_dir(a.tokenizer) if a.tokenizer else bundled_model_dir()
+    prepare(Path(a.data), Path(a.out), tokenizer, a.text_field, a.workers, a.on_error, log=log,
+            progress=sys.stderr.isatty())
+    return 0
+
+
 def add_export_parser(sub) -> None:
     p = sub.add_parser("export", help="write a training checkpoint as a Hugging Face folder",
                        description="Convert RUN_DIR/checkpoints/step-N (torch.distributed.checkpoint, any layout) "
@@ -193,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_generate_parser(sub)
     add_train_parser(sub)
+    add_prepare_parser(sub)
     add_export_parser(sub)
     return parser
 

@@ -11,3 +11,6 @@ class DuokaError(Exception):
         super().__init__(cause if fix is None else f"{cause}\n  fix: {fix}")
         self.cause = cause
         self.fix = fix
+
+    def __reduce__(self):  # raised in a worker process, it must arrive whole in the parent
+        return (type(self), (self.cause, self.fix))

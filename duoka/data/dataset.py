@@ -68,8 +68,10 @@ def iter_documents(path: Path, text_field: str) -> Iterator[str]:
         yield text
 
 
-def iter_jsonl(path: Path) -> Iterator[tuple[int, object]]:
-    """(line number, parsed object) for each non-blank line of a .jsonl or .jsonl.gz file."""
+def iter_jsonl(path: Path, malformed: list[str] | None = None) -> Iterator[tuple[int, object]]:
+    """(line number, parsed object) for each non-blank line of a .jsonl or .jsonl.gz file.
+    A line that is not JSON is an error, or, given a `malformed` list, noted there as
+    "file:line: reason" and skipped."""
     opener = gzip.open if path.name.endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
@@ -78,8 +80,11 @@ def iter_jsonl(path: Path) -> Iterator[tuple[int, object]]:
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DuokaError(f"{path}:{lineno} is not valid JSON ({e.msg})",
-                                 "fix or remove that line (each line must be one JSON object)") from None
+                if malformed is None:
+                    raise DuokaError(f"{path}:{lineno} is not valid JSON ({e.msg})",
+                                     "fix or remove that line (each line must be one JSON object)") from None
+                malformed.append(f"{path}:{lineno}: not valid JSON ({e.msg})")
+                continue
             yield lineno, record
 
 
@@ -145,22 +150,37 @@ def tokenize_corpus(path: Path, tokenizer, text_field: str = "text") -> Path:
 
 
 class PackedWindows:
-    """Window i = tokens[i*seq_len : i*seq_len + seq_len + 1] (input and shifted label)."""
+    """Window i = stream[i*seq_len : i*seq_len + seq_len + 1] (input and shifted label), where
+    the stream is one cached token file or the shards of a `duoka prepare` folder in order."""
 
-    def __init__(self, token_file: Path, seq_len: int):
-        self.tokens = np.load(token_file, mmap_mode="r")
+    def __init__(self, token_path: Path, seq_len: int):
+        if token_path.is_dir():  # a prepared folder
+            manifest = json.loads((token_path / "manifest.json").read_text())
+            self.shards = [np.load(token_path / s["file"], mmap_mode="r") for s in manifest["shards"] if s["tokens"]]
+        else:
+            self.shards = [np.load(token_path, mmap_mode="r")]
+        self.starts = np.cumsum([0] + [len(s) for s in self.shards])
+        total = int(self.starts[-1])
         self.seq_len = seq_len
-        self.n = (len(self.tokens) - 1) // seq_len
+        self.n = (total - 1) // seq_len
         if self.n < 1:
-            raise DuokaError(f"the corpus has {len(self.tokens)} tokens, fewer than one window of "
+            raise DuokaError(f"the corpus has {total} tokens, fewer than one window of "
                              f"training.seq_len + 1 = {seq_len + 1}", "use more data or a shorter training.seq_len")
 
     def __len__(self) -> int:
         return self.n
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        start = i * self.seq_len
-        return torch.from_numpy(self.tokens[start : start + self.seq_len + 1].astype(np.int64))
+        start, end = i * self.seq_len, i * self.seq_len + self.seq_len + 1
+        first = int(np.searchsorted(self.starts, start, side="right")) - 1
+        parts = []
+        while start < end:  # a window may span the end of one shard and the start of the next
+            shard, offset = self.shards[first], start - int(self.starts[first])
+            take = min(end - start, len(shard) - offset)
+            parts.append(shard[offset : offset + take])
+            start += take
+            first += 1
+        return torch.from_numpy(np.concatenate(parts).astype(np.int64))
 
 
 class RandomTokens:

@@ -95,6 +95,7 @@ def launch_training(
     log=print,
 ) -> Path:
     from duoka.data.dataset import RANDOM_DATA, PackedWindows, end_of_text_id, tokenize_corpus
+    from duoka.data.prepare import MANIFEST, is_prepared
     from duoka.data.sft import prepare_sft
     from duoka.hub import bundled_corpus
     from duoka.data.tokenizer import Tokenizer
@@ -171,7 +172,15 @@ def launch_training(
                 f"(longer than {cfg.training.seq_len + 1} tokens) ({time.perf_counter() - t:.1f} s)")
         else:
             data_path = Path(cfg.data.path) if cfg.data.path else bundled_corpus()
-            token_file = str(tokenize_corpus(data_path, tokenizer, cfg.data.text_field))
+            if is_prepared(data_path):
+                manifest = json.loads((data_path / MANIFEST).read_text())
+                if manifest["tokenizer"] != tokenizer.fingerprint:
+                    raise DuokaError(f"{data_path} was prepared with the tokenizer in {manifest['tokenizer_dir']}, "
+                                     f"not the model's ({tokenizer.folder})",
+                                     f"prepare it again: duoka prepare --data SOURCE --out DIR --tokenizer {tokenizer.folder}")
+                token_file = str(data_path)
+            else:
+                token_file = str(tokenize_corpus(data_path, tokenizer, cfg.data.text_field))
             windows = len(PackedWindows(Path(token_file), cfg.training.seq_len))  # raises if the corpus is too small
             log(f"duoka: data {data_path}: {windows:,} windows of {cfg.training.seq_len} tokens "
                 f"({time.perf_counter() - t:.1f} s)")
