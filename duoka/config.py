@@ -59,9 +59,9 @@ class DataConfig:
     sft_overlong: str = opt("truncate", "sft: a conversation longer than training.seq_len + 1 tokens is cut to "
                                         "fit (truncate) or skipped (drop); counts are reported.",
                             choices=("truncate", "drop"))
-    document_masking: bool = opt(False, "In packed windows, attend only within each document and restart "
-                                        "positions per document (exact; an SDPA mask for now, its GPU cost not yet "
-                                        "measured). Off: plain causal windows across document boundaries.")
+    document_masking: bool = opt(True, "Packed windows attend only within each document, with positions "
+                                       "restarting per document (exact; an SDPA mask for now, its GPU cost not yet "
+                                       "measured). false: plain causal windows across document boundaries.")
 
 
 @dataclass
