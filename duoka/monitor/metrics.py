@@ -51,8 +51,3 @@ class MetricsFile:
 
     def close(self) -> None:
         self._f.close()
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]

@@ -7,7 +7,6 @@ because CUDA's default order (fastest first) can differ from nvidia-smi's and th
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from duoka.errors import DuokaError
@@ -116,7 +115,3 @@ def select_gpus(spec: str | None, env_value: str | None, gpus: list[GpuReading])
 
 def device_env(indices: list[int]) -> dict[str, str]:
     return {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": ",".join(map(str, indices))}
-
-
-def current_cuda_visible() -> str | None:
-    return os.environ.get("CUDA_VISIBLE_DEVICES")
