@@ -30,17 +30,22 @@ from duoka.errors import DuokaError
 RANDOM_DATA = "random"
 
 
-def corpus_files(path: Path) -> list[Path]:
+TEXT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
+
+
+def corpus_files(path: Path, suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> list[Path]:
+    """The data files at `path`: the file itself, or every file below a folder, sorted."""
+    names = ", ".join(suffixes)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.name.endswith((".txt", ".jsonl", ".jsonl.gz")))
+        files = sorted(p for p in path.rglob("*") if p.name.endswith(suffixes))
         if not files:
-            raise DuokaError(f"data folder {path} has no .txt, .jsonl or .jsonl.gz files",
+            raise DuokaError(f"data folder {path} has no {names} files",
                              "point data.path at a file or a folder of such files")
         return files
     if not path.is_file():
-        raise DuokaError(f"data.path {path} does not exist", "pass a .txt/.jsonl file or a folder of them")
-    if not path.name.endswith((".txt", ".jsonl", ".jsonl.gz")):
-        raise DuokaError(f"data.path {path} is not .txt, .jsonl or .jsonl.gz",
+        raise DuokaError(f"data.path {path} does not exist", f"pass a file ({names}) or a folder of them")
+    if not path.name.endswith(suffixes):
+        raise DuokaError(f"data.path {path} is not one of {names}",
                          "convert it to JSONL with one {\"text\": ...} object per line")
     return [path]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from duoka.data.dataset import corpus_files, end_of_text_id, iter_jsonl
+from duoka.data.dataset import TEXT_SUFFIXES, corpus_files, end_of_text_id, iter_jsonl
 from duoka.data.tokenizer import Tokenizer
 from duoka.errors import DuokaError
 
@@ -29,13 +29,7 @@ _worker_tokenizer: Tokenizer | None = None
 
 
 def source_files(path: Path) -> list[Path]:
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.name.endswith((".txt", ".jsonl", ".jsonl.gz", ".parquet")))
-        if files:
-            return files
-    if path.is_file() and path.name.endswith(".parquet"):
-        return [path]
-    return corpus_files(path)
+    return corpus_files(path, TEXT_SUFFIXES + (".parquet",))
 
 
 def _documents(path: Path, text_field: str, malformed: list):
