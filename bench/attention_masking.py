@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from duoka.data.dataset import document_layout
+from duoka.data.dataset import step_inputs
 from duoka.models.qwen2.args import FLAVORS
 from duoka.models.qwen2.model import build_model, materialize
 
@@ -51,18 +51,15 @@ def corpus_lengths() -> np.ndarray:
     return np.array([len(tok.encode(d)) for d in iter_documents(bundled_corpus(), "text")])
 
 
-def step(model, batch: torch.Tensor, backend: str | None) -> torch.Tensor:
-    inputs, labels = batch[:, :-1], batch[:, 1:]
-    kwargs = {}
-    if backend is not None:
-        kwargs["document_ids"], kwargs["positions"] = document_layout(inputs, EOT)
-    logits = model(inputs, **kwargs)
-    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+def step(model, batch: dict) -> torch.Tensor:
+    logits = model(**{k: v for k, v in batch.items() if k != "labels"})
+    loss = F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten())
     loss.backward()
     return loss.detach()
 
 
 def measure(flavor: str, mode: str, compiled: bool, batches, timed: int) -> dict:
+    torch._dynamo.reset()  # each measurement compiles afresh, never against another's recompile budget
     torch.manual_seed(0)
     model = materialize(build_model(FLAVORS[flavor]), "cuda", torch.bfloat16)
     model.init_weights(seed=0)
@@ -71,18 +68,18 @@ def measure(flavor: str, mode: str, compiled: bool, batches, timed: int) -> dict
     if compiled:
         for block in model.layers.values():
             block.compile(fullgraph=False)
-    batches = [b.cuda() for b in batches]
+    # As the trainer does: document layout and varlen offsets on the host, then copied.
+    batches = [{k: t.pin_memory().cuda(non_blocking=True)
+                for k, t in step_inputs(b, -100, EOT if backend else None, backend == "varlen").items()}
+               for b in batches]
     t0 = time.perf_counter()
-    first_loss = step(model, batches[0], backend).item()
+    first_loss = step(model, batches[0]).item()
     warmup_s = time.perf_counter() - t0
-    with torch.no_grad():
-        inputs = batches[0][:1, :-1]
-        kw = {}
-        if backend is not None:
-            kw["document_ids"], kw["positions"] = document_layout(inputs, EOT)
-        logits = model(inputs, **kw).float().cpu()
+    # The logits from the same forward as training (grad on: no recompile for no_grad).
+    logits = model(**{k: v for k, v in batches[0].items() if k != "labels"})[0].detach().float().cpu()
+    model.zero_grad(set_to_none=True)
     for b in batches[1:3]:
-        step(model, b, backend)
+        step(model, b)
     model.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
@@ -90,12 +87,12 @@ def measure(flavor: str, mode: str, compiled: bool, batches, timed: int) -> dict
     for i in range(timed):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        step(model, batches[3 + i % (len(batches) - 3)], backend)
+        step(model, batches[3 + i % (len(batches) - 3)])
         end.record()
         model.zero_grad(set_to_none=True)
         end.synchronize()
         times.append(start.elapsed_time(end) / 1000)
-    tokens = batches[0].shape[0] * (batches[0].shape[1] - 1)
+    tokens = batches[0]["tokens"].numel()
     med = float(np.median(times))
     return {"flavor": flavor, "mode": mode, "compiled": compiled, "step_s": med, "tokens_per_s": tokens / med,
             "first_loss": first_loss, "warmup_s": warmup_s,

@@ -2,10 +2,11 @@
 
     python bench/checkpoint_times.py --flavor qwen2-1.5b --out $OUT/checkpoint_times.json
 
-Three `duoka train` runs on the bundled corpus (seq 2048, micro-batch 4, bf16, FSDP2 over
-the visible GPUs): (1) 4 steps with synchronous checkpoints at steps 2 and 4; (2) resume
-from step 4 to step 5 (restore time, then one more synchronous save); (3) 4 fresh steps
-with asynchronous checkpoints at 2 and 4. The "blocked" figure is how long the training
+`duoka train` runs on the bundled corpus (seq 2048, micro-batch 4, bf16, FSDP2 over the
+visible GPUs): (1) 4 steps with synchronous checkpoints at steps 2 and 4, written by one
+thread per rank and then by four; (2) resume from step 4 to step 5 (restore time, then one
+more synchronous save); (3) 4 fresh steps with asynchronous checkpoints at 2 and 4. A dd
+run gives the disk's own write speed for scale. The "blocked" figure is how long the training
 loop waited for each save (sync: the whole write; async: the copy to host memory).
 """
 
@@ -59,12 +60,20 @@ def main() -> None:
         a.out.write_text(json.dumps(res, indent=2) + "\n")
         print(json.dumps(kv), flush=True)
 
+    # The disk's own sequential write speed, for scale: 4 GiB through dd with a final fsync.
+    a.dir.mkdir(parents=True, exist_ok=True)
+    dd = subprocess.run(["dd", "if=/dev/zero", f"of={a.dir / 'dd.bin'}", "bs=64M", "count=64", "conv=fsync"],
+                        capture_output=True, text=True)
+    (a.dir / "dd.bin").unlink(missing_ok=True)
+    record(disk_write=dd.stderr.strip().splitlines()[-1] if dd.stderr else "")
     sync_run = a.dir / "sync"
-    log = train(sync_run, "--training.steps=4")
+    for threads in (1, 4):
+        shutil.rmtree(sync_run, ignore_errors=True)
+        log = train(sync_run, "--training.steps=4", f"--checkpoint.write_threads={threads}")
+        record(**{f"sync_save_blocked_s_threads{threads}": blocked(log)})
     ckpt = sync_run / "checkpoints" / "step-4"
     recs = [json.loads(x) for x in (sync_run / "metrics.jsonl").read_text().splitlines()]
-    record(sync_save_blocked_s=blocked(log),
-           checkpoint_gib=round(sum(f.stat().st_size for f in ckpt.glob("*.distcp")) / 2**30, 2),
+    record(checkpoint_gib=round(sum(f.stat().st_size for f in ckpt.glob("*.distcp")) / 2**30, 2),
            data_wait_share=[round(r["data_time_s"] / r["step_time_s"], 4) for r in recs[1:]],
            step_time_s=[round(r["step_time_s"], 3) for r in recs])
     log = train(sync_run, "--training.steps=5", "--checkpoint.resume=auto")

@@ -60,8 +60,13 @@ class DataConfig:
                                         "fit (truncate) or skipped (drop); counts are reported.",
                             choices=("truncate", "drop"))
     document_masking: bool = opt(True, "Packed windows attend only within each document, with positions "
-                                       "restarting per document (exact; an SDPA mask for now, its GPU cost not yet "
-                                       "measured). false: plain causal windows across document boundaries.")
+                                       "restarting per document (exact). false: plain causal windows across "
+                                       "document boundaries.")
+    document_masking_kernel: str = opt("auto", "How document masking runs: varlen (flash attention over the "
+                                               "concatenated documents, CUDA only), flex (flex attention block "
+                                               "mask), sdpa (dense mask). auto: varlen on CUDA, the fastest on H200 "
+                                               "(bench/results/attention_masking.md); sdpa on CPU.",
+                                       choices=("auto", "varlen", "flex", "sdpa"))
 
 
 @dataclass
@@ -121,6 +126,8 @@ class CheckpointConfig:
     interval: int = opt(0, "Steps between checkpoints; 0: only at the end (and on SIGTERM).", min=0)
     async_save: bool = opt(False, "Copy the state to host memory and write the files in a background thread: "
                                   "training is blocked only for the copy.")
+    write_threads: int = opt(4, "Files written in parallel per rank (torch.distributed.checkpoint's thread_count).",
+                             min=1)
     keep: int = opt(2, "Complete checkpoints to keep; older ones are deleted once a newer one is complete.", min=1)
     resume: str = opt("", "`auto`: continue from the newest complete checkpoint in job.output_dir (start fresh if "
                           "there is none); a checkpoints/step-N path: continue from it; empty: start fresh.")

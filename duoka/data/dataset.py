@@ -225,6 +225,22 @@ def document_layout(inputs: torch.Tensor, eot: int) -> tuple[torch.Tensor, torch
     return doc, index - first
 
 
+def step_inputs(batch: torch.Tensor, ignore_index: int, end_of_text: int | None, varlen: bool) -> dict:
+    """One micro-batch as the tensors a training step feeds the model, built on the host
+    (in the data thread) so the GPU never waits on data-dependent shapes: tokens and
+    labels; with document masking (end_of_text set) the document ids, positions restarting
+    per document, and for the varlen kernel the documents' cumulative lengths."""
+    from duoka.models.qwen2.model import document_starts
+
+    tokens, labels = split_batch(batch, ignore_index)
+    out = {"tokens": tokens, "labels": labels}
+    if end_of_text is not None:
+        out["document_ids"], out["positions"] = document_layout(tokens, end_of_text)
+        if varlen:
+            out["cu_seqlens"] = document_starts(out["document_ids"])
+    return out
+
+
 def global_batch_indices(step: int, global_batch: int, n_samples: int, seed: int) -> list[int]:
     """Sample indices of optimizer step `step` (0-based): a function of (seed, step) only."""
     if n_samples > 2**32:  # RandomTokens: every index is already random, nothing to shuffle
@@ -273,7 +289,7 @@ class Prefetcher:
                 for step in range(first_step, last_step):
                     batches = make_batches(step)
                     if pin:
-                        batches = [b.pin_memory() for b in batches]
+                        batches = [{k: t.pin_memory() for k, t in b.items()} for b in batches]
                     while not self._stop.is_set():
                         try:
                             self._queue.put((step, batches), timeout=0.1)
@@ -288,7 +304,7 @@ class Prefetcher:
         self._thread = threading.Thread(target=run, name="duoka-data", daemon=True)
         self._thread.start()
 
-    def get(self, step: int) -> list[torch.Tensor]:
+    def get(self, step: int) -> list[dict[str, torch.Tensor]]:
         got, batches = self._queue.get()
         if got is None:
             raise batches

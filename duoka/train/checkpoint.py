@@ -95,7 +95,7 @@ class PendingSave:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, train_state: dict, tokenizer_files: list[str],
-                    keep: int, async_group=None):
+                    keep: int, async_group=None, write_threads: int = 1):
     """Returns the checkpoint path, or a PendingSave when given async_group: a gloo process
     group of its own, since the background thread's collectives must not interleave with
     the training loop's on the same group."""
@@ -120,10 +120,12 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, train_state: dic
         for old in complete_checkpoints(run_dir)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
 
+    # write_threads files per rank, written in parallel: one thread alone does not fill a fast disk.
+    writer = dcp.FileSystemWriter(str(partial), thread_count=write_threads)
     if async_group is not None:
-        future = dcp.async_save(_app_state(model, optimizer), checkpoint_id=str(partial), process_group=async_group)
+        future = dcp.async_save(_app_state(model, optimizer), storage_writer=writer, process_group=async_group)
         return PendingSave(future, publish)
-    dcp.save(_app_state(model, optimizer), checkpoint_id=str(partial))
+    dcp.save(_app_state(model, optimizer), storage_writer=writer)
     publish()
     dist.barrier()
     return final

@@ -71,6 +71,10 @@ def test_document_layout():
     doc, pos = document_layout(x, eot)
     assert doc.tolist() == [[0, 0, 0, 1, 1, 1, 1, 2], [0, 1, 1, 1, 2, 3, 3, 3]]
     assert pos.tolist() == [[0, 1, 2, 0, 1, 2, 3, 0], [0, 0, 1, 2, 0, 0, 1, 2]]
+    from duoka.models.qwen2.model import document_starts
+
+    # varlen's offsets into the flattened 16 tokens: row 1 starts a new document at 8.
+    assert document_starts(doc).tolist() == [0, 3, 7, 8, 9, 12, 13, 16]
 
 
 @pytest.mark.parametrize("backend", [

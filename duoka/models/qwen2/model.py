@@ -124,8 +124,21 @@ class Varlen:
     max_len: int
 
 
-def document_mask(document_ids: torch.Tensor, backend: str):
-    """The per-forward mask object for `backend`, built once and shared by all layers."""
+def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
+    """varlen's cumulative lengths: int32 [n_documents + 1] offsets into the flattened
+    [batch * seq] tokens; a document starts where the id changes or a new row begins.
+    Data-dependent in size, so the trainer computes it on the host, off the GPU's path."""
+    bsz, seq = document_ids.shape
+    flat = (document_ids + torch.arange(bsz, device=document_ids.device)[:, None] * seq).flatten()
+    starts = torch.ones_like(flat, dtype=torch.bool)
+    starts[1:] = flat[1:] != flat[:-1]
+    end = torch.tensor([flat.numel()], device=flat.device)
+    return torch.cat([torch.nonzero(starts).flatten(), end]).to(torch.int32)
+
+
+def document_mask(document_ids: torch.Tensor, backend: str, cu_seqlens: torch.Tensor | None = None):
+    """The per-forward mask object for `backend`, built once and shared by all layers.
+    cu_seqlens (varlen only): document_starts(document_ids), if already computed."""
     bsz, seq = document_ids.shape
     if backend == "sdpa":
         causal = torch.ones(seq, seq, dtype=torch.bool, device=document_ids.device).tril()
@@ -135,15 +148,8 @@ def document_mask(document_ids: torch.Tensor, backend: str):
             return (document_ids[b, q] == document_ids[b, kv]) & (q >= kv)
         return create_block_mask(same_document_causal, bsz, None, seq, seq, device=document_ids.device)
     if backend == "varlen":
-        # A new document starts where the id changes or a new row begins. Finding the
-        # starts is data-dependent (one host sync per step); the maximum length is bounded
-        # by seq without looking at the data.
-        flat = (document_ids + torch.arange(bsz, device=document_ids.device)[:, None] * seq).flatten()
-        starts = torch.ones_like(flat, dtype=torch.bool)
-        starts[1:] = flat[1:] != flat[:-1]
-        cu = torch.nonzero(starts).flatten().to(torch.int32)
-        end = torch.tensor([flat.numel()], dtype=torch.int32, device=flat.device)
-        return Varlen(torch.cat([cu, end]), seq)
+        # The longest document is bounded by seq without looking at the data (no sync).
+        return Varlen(document_starts(document_ids) if cu_seqlens is None else cu_seqlens, seq)
     raise ValueError(f"unknown attention backend {backend!r}; choose one of {DOCUMENT_MASK_BACKENDS}")
 
 
@@ -286,6 +292,7 @@ class Qwen2(nn.Module):
         positions: torch.Tensor | None = None,
         cache: KVCache | None = None,
         document_ids: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens: [batch, seq] -> logits [batch, seq, vocab] in the compute dtype.
 
@@ -293,7 +300,8 @@ class Qwen2(nn.Module):
         are where the tokens go in the cache (a [seq] tensor), and every query attends to
         all cached keys at or before its own position. document_ids: [batch, seq] for
         packed sequences: a token attends only to earlier tokens of its own document (give
-        positions restarting per document too, see duoka.data.dataset.document_layout)."""
+        positions restarting per document too, see duoka.data.dataset.document_layout).
+        cu_seqlens: document_starts(document_ids) precomputed, for the varlen backend."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         if positions is None:
             positions = torch.arange(h.shape[1], device=h.device)
@@ -302,7 +310,7 @@ class Qwen2(nn.Module):
         if cache is not None:
             mask = cache.mask(positions)
         elif document_ids is not None:
-            mask = document_mask(document_ids, self.attention_backend)
+            mask = document_mask(document_ids, self.attention_backend, cu_seqlens)
         for name, layer in self.layers.items():
             h = layer(h, cos, sin, cache, name, positions, mask)
         if self.norm is not None:
