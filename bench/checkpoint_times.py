@@ -5,7 +5,7 @@
 `duoka train` runs on the bundled corpus (seq 2048, micro-batch 4, bf16, FSDP2 over the
 visible GPUs): (1) 4 steps with synchronous checkpoints at steps 2 and 4, written by one
 thread per rank and then by four; (2) resume from step 4 to step 5 (restore time, then one
-more synchronous save); (3) 4 fresh steps with asynchronous checkpoints at 2 and 4. A dd
+more synchronous save); (3) 8 fresh steps with asynchronous checkpoints at 2, 4, 6, 8. A dd
 run gives the disk's own write speed for scale. The "blocked" figure is how long the training
 loop waited for each save (sync: the whole write; async: the copy to host memory).
 """
@@ -43,6 +43,7 @@ def main() -> None:
     p.add_argument("--flavor", default="qwen2-1.5b")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--dir", type=Path, default=Path("/tmp/duoka-ckpt-bench"))
+    p.add_argument("--phases", default="sync,async", help="sync (with restore) and/or async")
     a = p.parse_args()
     BASE = [f"--model.flavor={a.flavor}", f"--model.tokenizer={ROOT / 'duoka' / 'assets' / 'tiny-qwen2'}",
             "--training.seq_len=2048", "--training.micro_batch_size=4", "--parallel.dp_mode=fsdp",
@@ -60,27 +61,33 @@ def main() -> None:
         a.out.write_text(json.dumps(res, indent=2) + "\n")
         print(json.dumps(kv), flush=True)
 
-    # The disk's own sequential write speed, for scale: 4 GiB through dd with a final fsync.
-    a.dir.mkdir(parents=True, exist_ok=True)
-    dd = subprocess.run(["dd", "if=/dev/zero", f"of={a.dir / 'dd.bin'}", "bs=64M", "count=64", "conv=fsync"],
-                        capture_output=True, text=True)
-    (a.dir / "dd.bin").unlink(missing_ok=True)
-    record(disk_write=dd.stderr.strip().splitlines()[-1] if dd.stderr else "")
-    sync_run = a.dir / "sync"
-    for threads in (1, 4):
-        shutil.rmtree(sync_run, ignore_errors=True)
-        log = train(sync_run, "--training.steps=4", f"--checkpoint.write_threads={threads}")
-        record(**{f"sync_save_blocked_s_threads{threads}": blocked(log)})
-    ckpt = sync_run / "checkpoints" / "step-4"
-    recs = [json.loads(x) for x in (sync_run / "metrics.jsonl").read_text().splitlines()]
-    record(checkpoint_gib=round(sum(f.stat().st_size for f in ckpt.glob("*.distcp")) / 2**30, 2),
-           data_wait_share=[round(r["data_time_s"] / r["step_time_s"], 4) for r in recs[1:]],
-           step_time_s=[round(r["step_time_s"], 3) for r in recs])
-    log = train(sync_run, "--training.steps=5", "--checkpoint.resume=auto")
-    record(restore_s=float(re.search(r"loaded .* in ([\d.]+) s", log).group(1)))
-    shutil.rmtree(sync_run)
-    log = train(a.dir / "async", "--training.steps=4", "--checkpoint.async_save=true")
-    record(async_save_blocked_s=blocked(log))
+    phases = a.phases.split(",")
+    if "sync" in phases:
+        # The disk's own sequential write speed, for scale: 4 GiB through dd with a final fsync.
+        a.dir.mkdir(parents=True, exist_ok=True)
+        dd = subprocess.run(["dd", "if=/dev/zero", f"of={a.dir / 'dd.bin'}", "bs=64M", "count=64", "conv=fsync"],
+                            capture_output=True, text=True)
+        (a.dir / "dd.bin").unlink(missing_ok=True)
+        record(disk_write=dd.stderr.strip().splitlines()[-1] if dd.stderr else "")
+        sync_run = a.dir / "sync"
+        for threads in (1, 4):
+            shutil.rmtree(sync_run, ignore_errors=True)
+            log = train(sync_run, "--training.steps=4", f"--checkpoint.write_threads={threads}")
+            record(**{f"sync_save_blocked_s_threads{threads}": blocked(log)})
+        ckpt = sync_run / "checkpoints" / "step-4"
+        recs = [json.loads(x) for x in (sync_run / "metrics.jsonl").read_text().splitlines()]
+        record(checkpoint_gib=round(sum(f.stat().st_size for f in ckpt.glob("*.distcp")) / 2**30, 2),
+               data_wait_share=[round(r["data_time_s"] / r["step_time_s"], 4) for r in recs[1:]],
+               step_time_s=[round(r["step_time_s"], 3) for r in recs])
+        log = train(sync_run, "--training.steps=5", "--checkpoint.resume=auto")
+        record(restore_s=float(re.search(r"loaded .* in ([\d.]+) s", log).group(1)))
+        shutil.rmtree(sync_run)
+    if "async" in phases:
+        # Saves at steps 2, 4 and 6 of 8: the last two reuse the pinned buffers of the first.
+        run = a.dir / "async"
+        log = train(run, "--training.steps=8", "--checkpoint.async_save=true")
+        recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        record(async_save_blocked_s=blocked(log), async_step_time_s=[round(r["step_time_s"], 3) for r in recs])
     shutil.rmtree(a.dir, ignore_errors=True)
 
 

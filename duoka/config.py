@@ -124,10 +124,12 @@ class CheckpointConfig:
     enabled: bool = opt(True, "Write resumable checkpoints (model, optimizer, step) to checkpoints/step-N/ with "
                               "torch.distributed.checkpoint: every `interval` steps, at the end, and on SIGTERM.")
     interval: int = opt(0, "Steps between checkpoints; 0: only at the end (and on SIGTERM).", min=0)
-    async_save: bool = opt(False, "Copy the state to host memory and write the files in a background thread: "
-                                  "training is blocked only for the copy.")
-    write_threads: int = opt(4, "Files written in parallel per rank (torch.distributed.checkpoint's thread_count).",
-                             min=1)
+    async_save: bool = opt(False, "Copy the state to pinned host memory (on GPU in the background, overlapping "
+                                  "the next forward and backward) and write the files in a background thread: "
+                                  "training waits only if the copy is not done by the next optimizer step.")
+    write_threads: int = opt(1, "Files written in parallel per rank (torch.distributed.checkpoint's thread_count); "
+                                "more can help on parallel file systems (no clear gain on one local NVMe disk, "
+                                "bench/results/checkpoint_times.md).", min=1)
     keep: int = opt(2, "Complete checkpoints to keep; older ones are deleted once a newer one is complete.", min=1)
     resume: str = opt("", "`auto`: continue from the newest complete checkpoint in job.output_dir (start fresh if "
                           "there is none); a checkpoints/step-N path: continue from it; empty: start fresh.")

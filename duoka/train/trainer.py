@@ -39,7 +39,7 @@ from duoka.models.qwen2.parallelize import parallelize_qwen2, unwrap
 from duoka.monitor.metrics import MetricsFile, mfu, peak_flops
 from duoka.parallel.dims import ParallelDims
 from duoka.plan.memory import largest_fitting_micro_batch
-from duoka.train.checkpoint import load_checkpoint, save_checkpoint
+from duoka.train.checkpoint import async_stager, load_checkpoint, save_checkpoint
 from duoka.train.optim import build_optimizer, effective_lr, lr_at, plan_batch
 
 IGNORE_INDEX = -100
@@ -163,6 +163,7 @@ class Trainer:
         self.start_step, self.tokens_seen = 0, 0
         self.pending_save = None
         self.async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
+        self.stager = async_stager(self.device) if cfg.checkpoint.async_save else None
         if spec.resume_from:
             t = time.perf_counter()
             state = load_checkpoint(Path(spec.resume_from), self.model, self.optimizer)
@@ -263,6 +264,8 @@ class Trainer:
             self._loop(steps, prefetch, metrics, console, started)
         finally:
             prefetch.close()
+            if self.stager is not None:
+                self.stager.close()  # frees its pinned host buffers
             if metrics:
                 metrics.close()
 
@@ -295,6 +298,10 @@ class Trainer:
             lr = lr_at(step, steps, self.peak_lr, cfg.optimizer)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
+            if self.pending_save is not None:
+                t_wait = time.perf_counter()
+                self.pending_save.wait_staged()  # the host copy must be whole before the weights change
+                self.pending_save.blocked_s += time.perf_counter() - t_wait
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             if self.device.type == "cuda":
@@ -318,7 +325,7 @@ class Trainer:
                 console.progress(record, steps, time.perf_counter() - started, self.start_step)
             self.tokens_seen = tokens_seen
             if self.pending_save is not None and self.pending_save.poll():
-                self.pending_save = None
+                self._saved_in_background()
             if per_rank[:, 4].max() > 0:
                 self.checkpoint(step + 1)
                 self._finish_pending_save()
@@ -364,7 +371,13 @@ class Trainer:
     def _finish_pending_save(self) -> None:
         if self.pending_save is not None:
             self.pending_save.poll(wait=True)
-            self.pending_save = None
+            self._saved_in_background()
+
+    def _saved_in_background(self) -> None:
+        if self.rank == 0:
+            _Console().out.print(f"checkpoint step-{self.pending_save.step} written in the background: training "
+                                 f"blocked {self.pending_save.blocked_s:.2f} s")
+        self.pending_save = None
         dist.barrier()
 
     def checkpoint(self, step: int) -> None:
@@ -376,12 +389,14 @@ class Trainer:
                        "dp_size": self.dp_size, "world_size": self.world}
         result = save_checkpoint(self.run_dir, step, self.model, self.optimizer, train_state,
                                  self.spec.tokenizer_files, self.cfg.checkpoint.keep, self.async_group,
-                                 self.cfg.checkpoint.write_threads)
+                                 self.cfg.checkpoint.write_threads, self.stager)
         if self.async_group is not None:
+            # Blocked so far: waiting for the previous save and starting this one; waiting
+            # for the host copy before the next optimizer step is added in the loop.
+            result.step, result.blocked_s = step, time.perf_counter() - t
             self.pending_save = result
-        if self.rank == 0:
-            how = "staged; writing in the background" if self.cfg.checkpoint.async_save else "written"
-            _Console().out.print(f"checkpoint step-{step} {how}: training blocked {time.perf_counter() - t:.2f} s")
+        elif self.rank == 0:
+            _Console().out.print(f"checkpoint step-{step} written: training blocked {time.perf_counter() - t:.2f} s")
 
     # ------------------------------------------------------------------ export
 
