@@ -124,9 +124,8 @@ class CheckpointConfig:
     enabled: bool = opt(True, "Write resumable checkpoints (model, optimizer, step) to checkpoints/step-N/ with "
                               "torch.distributed.checkpoint: every `interval` steps, at the end, and on SIGTERM.")
     interval: int = opt(0, "Steps between checkpoints; 0: only at the end (and on SIGTERM).", min=0)
-    async_save: bool = opt(False, "Copy the state to pinned host memory (on GPU in the background, overlapping "
-                                  "the next forward and backward) and write the files in a background thread: "
-                                  "training waits only if the copy is not done by the next optimizer step.")
+    async_save: bool = opt(False, "Copy the state to host memory (pinned buffers reused by every save on GPU) and "
+                                  "write the files in a background thread: training is blocked only for the copy.")
     write_threads: int = opt(1, "Files written in parallel per rank (torch.distributed.checkpoint's thread_count); "
                                 "more can help on parallel file systems (no clear gain on one local NVMe disk, "
                                 "bench/results/checkpoint_times.md).", min=1)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -79,45 +79,34 @@ def _app_state(model, optimizer) -> dict:
 
 
 class PendingSave:
-    """An asynchronous save in flight. Two stages: the state is copied to host memory (on
-    GPU by a background thread on its own CUDA stream, overlapping the next step's forward
-    and backward; `wait_staged` must return before the optimizer changes the weights),
-    then the files are written by another background thread. Rank 0 publishes the
-    checkpoint (state file, rename, pruning) once its write is done: DCP's coordinator
-    finishes only after every rank has written, so that is safe."""
+    """An asynchronous save in flight: the state was copied to host memory (training was
+    blocked only for that), the files are being written by a background thread. Rank 0
+    publishes the checkpoint (state file, rename, pruning) once its write is done: DCP's
+    coordinator finishes only after every rank has written, so that is safe."""
 
-    def __init__(self, response, publish):
-        # dcp.async_save returns an AsyncSaveResponse when staging runs in the background,
-        # else (CPU) the upload future alone, staging being finished already.
-        self.staged = getattr(response, "staging_completion", None)
-        self.future = getattr(response, "upload_completion", response)
-        self.publish = publish
-        self.step, self.blocked_s = 0, 0.0  # set and accumulated by the trainer, for its log line
-
-    def wait_staged(self) -> None:
-        if self.staged is not None:
-            self.staged.result()
-            self.staged = None
+    def __init__(self, future, publish):
+        self.future, self.publish = future, publish
+        self.step, self.blocked_s = 0, 0.0  # set by the trainer, for its log line
 
     def poll(self, wait: bool = False) -> bool:
         if not wait and not self.future.done():
             return False
-        self.wait_staged()
         self.future.result()  # re-raises a failed write
         self.publish()
         return True
 
 
-def async_stager(device: torch.device) -> DefaultStager:
-    """One stager per run, reused by every asynchronous save: its pinned host buffers are
-    allocated once (pinning the state of a 1.5B model costs seconds) and refilled after."""
-    cuda = device.type == "cuda"
-    return DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=cuda,
-                                        use_non_blocking_copy=cuda))
+def async_stager(device: torch.device) -> AsyncStager:
+    """One stager per run, reused by every asynchronous save. On GPU it keeps pinned host
+    buffers for the whole state, allocated by the first save (pinning costs seconds) and
+    refilled by the later ones at copy-engine speed; without CUDA there is nothing to pin.
+    (torch's DefaultStager would overlap even the copy with the next step, but its
+    deep copy fails on FSDP2's DTensor state in torch 2.11: KeyError <class 'type'>.)"""
+    return BlockingAsyncStager(cache_staged_state_dict=device.type == "cuda")
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, train_state: dict, tokenizer_files: list[str],
-                    keep: int, async_group=None, write_threads: int = 1, stager: DefaultStager | None = None):
+                    keep: int, async_group=None, write_threads: int = 1, stager: AsyncStager | None = None):
     """Returns the checkpoint path, or a PendingSave when given async_group (a gloo process
     group of its own, since the background thread's collectives must not interleave with
     the training loop's on the same group) and the run's stager (see async_stager)."""
@@ -145,9 +134,9 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, train_state: dic
     # write_threads files per rank, written in parallel: one thread alone does not fill a fast disk.
     writer = dcp.FileSystemWriter(str(partial), thread_count=write_threads)
     if async_group is not None:
-        response = dcp.async_save(_app_state(model, optimizer), storage_writer=writer, process_group=async_group,
-                                  async_stager=stager)
-        return PendingSave(response, publish)
+        future = dcp.async_save(_app_state(model, optimizer), storage_writer=writer, process_group=async_group,
+                                async_stager=stager)
+        return PendingSave(future, publish)
     dcp.save(_app_state(model, optimizer), storage_writer=writer)
     publish()
     dist.barrier()

@@ -265,7 +265,8 @@ class Trainer:
         finally:
             prefetch.close()
             if self.stager is not None:
-                self.stager.close()  # frees its pinned host buffers
+                self.stager.close()
+                self.stager = None  # its pinned host buffers go with it
             if metrics:
                 metrics.close()
 
@@ -298,10 +299,6 @@ class Trainer:
             lr = lr_at(step, steps, self.peak_lr, cfg.optimizer)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
-            if self.pending_save is not None:
-                t_wait = time.perf_counter()
-                self.pending_save.wait_staged()  # the host copy must be whole before the weights change
-                self.pending_save.blocked_s += time.perf_counter() - t_wait
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             if self.device.type == "cuda":
@@ -391,8 +388,7 @@ class Trainer:
                                  self.spec.tokenizer_files, self.cfg.checkpoint.keep, self.async_group,
                                  self.cfg.checkpoint.write_threads, self.stager)
         if self.async_group is not None:
-            # Blocked so far: waiting for the previous save and starting this one; waiting
-            # for the host copy before the next optimizer step is added in the loop.
+            # Blocked: waiting for the previous save, then the copy to host memory.
             result.step, result.blocked_s = step, time.perf_counter() - t
             self.pending_save = result
         elif self.rank == 0:
