@@ -117,6 +117,20 @@ class ParallelConfig:
     dp_shard: int = opt(-1, "Ranks one fsdp replica is sharded over. -1: world size / dp_replicate.", min=-1)
     reshard_after_forward: bool = opt(True, "fsdp: free gathered parameters after forward and gather again in "
                                             "backward (less memory, more communication).")
+    tp: int = opt(1, "Tensor-parallel degree, with sequence parallelism (Megatron-style column/row sharding of "
+                     "attention and MLP, norms and dropout-free regions sharded on the sequence). Must divide the "
+                     "model's attention heads and KV heads; best kept within one NVLink domain.", min=1)
+    pp: int = opt(1, "Pipeline-parallel degree: the layers split into pp stages (torch.distributed.pipelining).",
+                  min=1)
+    pp_schedule: str = opt("1f1b", "Pipeline schedule: gpipe, 1f1b, interleaved_1f1b (needs "
+                                   "pp_stages_per_rank >= 2), zero_bubble (interleaved zero-bubble, needs "
+                                   "pp_stages_per_rank >= 2).",
+                           choices=("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"))
+    pp_stages_per_rank: int = opt(1, "Virtual pipeline stages per rank (interleaved schedules).", min=1)
+    pp_layers: str = opt("even", "How layers split over the pp x pp_stages_per_rank stages: even (the first and last "
+                                 "stage count the embedding and the output head as one layer each), or an explicit "
+                                 "comma-separated list of layer counts per stage, e.g. \"6,8,8,6\".")
+    pp_microbatches: int = opt(0, "Micro-batches per pipeline step; 0: the per-rank batch / micro_batch_size.", min=0)
 
 
 @dataclass

@@ -225,11 +225,14 @@ def document_layout(inputs: torch.Tensor, eot: int) -> tuple[torch.Tensor, torch
     return doc, index - first
 
 
-def step_inputs(batch: torch.Tensor, ignore_index: int, end_of_text: int | None, varlen: bool) -> dict:
+def step_inputs(batch: torch.Tensor, ignore_index: int, end_of_text: int | None, varlen: bool,
+                always_positions: bool = False) -> dict:
     """One micro-batch as the tensors a training step feeds the model, built on the host
     (in the data thread) so the GPU never waits on data-dependent shapes: tokens and
     labels; with document masking (end_of_text set) the document ids, positions restarting
-    per document, and for the varlen kernel the documents' cumulative lengths."""
+    per document, and for the varlen kernel the documents' cumulative lengths.
+    always_positions: give [batch, seq] positions even without document masking (model
+    parallelism: a pipeline stage or a sequence shard cannot infer them from its input)."""
     from duoka.models.qwen2.model import document_starts
 
     tokens, labels = split_batch(batch, ignore_index)
@@ -238,6 +241,8 @@ def step_inputs(batch: torch.Tensor, ignore_index: int, end_of_text: int | None,
         out["document_ids"], out["positions"] = document_layout(tokens, end_of_text)
         if varlen:
             out["cu_seqlens"] = document_starts(out["document_ids"])
+    elif always_positions:
+        out["positions"] = torch.arange(tokens.shape[1]).expand_as(tokens).contiguous()
     return out
 
 

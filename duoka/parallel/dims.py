@@ -1,7 +1,14 @@
 """The parallel layout: sizes of each parallel dimension and the one named DeviceMesh.
 
-Dimension names follow torchtitan: dp_replicate x dp_shard x tp x pp. Only data
-parallelism exists so far; tensor and pipeline parallelism extend this same object.
+Dimension names and order follow torchtitan: pp x dp_replicate x dp_shard x tp, tp
+innermost so that a tensor-parallel group is made of neighbouring ranks (one NVLink
+domain), pp outermost (its point-to-point traffic is the lightest, it may cross nodes).
+
+Data parallelism under model parallelism (tp or pp > 1) always runs through FSDP2:
+dp_mode=fsdp shards over dp_shard as usual; dp_mode=ddp keeps replicated weights as an
+FSDP2 mesh with a shard dimension of size 1 (the same semantics as DDP: every replica
+holds everything, gradients are all-reduced), because DDP does not accept DTensor
+parameters and pipeline stages.
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from duoka.config import ParallelConfig
 from duoka.errors import DuokaError
 
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+
 
 @dataclass(frozen=True)
 class ParallelDims:
@@ -20,33 +29,62 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     world_size: int
+    tp: int = 1
+    pp: int = 1
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> "ParallelDims":
+        tp, pp = cfg.tp, cfg.pp
+        if world_size % (tp * pp):
+            raise DuokaError(f"parallel.tp x parallel.pp = {tp} x {pp} = {tp * pp} does not divide the "
+                             f"{world_size} processes", f"choose tp x pp from {_divisors(world_size)} "
+                             "(or change --nproc-per-node / --nnodes)")
+        dp_world = world_size // (tp * pp)  # ranks left for data parallelism
         rep, shard = cfg.dp_replicate, cfg.dp_shard
         if cfg.dp_mode == "ddp":
             if shard not in (-1, 1):
                 raise DuokaError(f"parallel.dp_shard={shard} needs parallel.dp_mode=fsdp (ddp does not shard)",
                                  "set parallel.dp_mode=fsdp, or leave dp_shard at -1")
             shard = 1
-            rep = world_size if rep == -1 else rep
+            rep = dp_world if rep == -1 else rep
         else:
             rep = 1 if rep == -1 else rep
             if shard == -1:
-                if world_size % rep:
-                    raise DuokaError(f"parallel.dp_replicate={rep} does not divide the world size {world_size}",
-                                     f"choose dp_replicate from {_divisors(world_size)}")
-                shard = world_size // rep
+                if dp_world % rep:
+                    raise DuokaError(f"parallel.dp_replicate={rep} does not divide the {dp_world} data-parallel "
+                                     "ranks", f"choose dp_replicate from {_divisors(dp_world)}")
+                shard = dp_world // rep
         if rep < 1 or shard < 1:
             raise DuokaError(f"parallel.dp_replicate={rep} and dp_shard={shard} must be >= 1 (or -1 for auto)")
-        if rep * shard != world_size:
+        if rep * shard * tp * pp != world_size:
             raise DuokaError(
-                f"parallel.dp_replicate x dp_shard = {rep} x {shard} = {rep * shard}, but {world_size} processes run",
-                f"make the product {world_size} (e.g. dp_replicate={rep} and dp_shard={world_size // rep}) "
-                "or change --nproc-per-node / --nnodes" if world_size % rep == 0 else
-                f"make the product {world_size}, or change --nproc-per-node / --nnodes",
-            )
-        return cls(cfg.dp_mode, rep, shard, world_size)
+                f"parallel.dp_replicate x dp_shard x tp x pp = {rep} x {shard} x {tp} x {pp} = "
+                f"{rep * shard * tp * pp}, but {world_size} processes run",
+                f"make the product {world_size} (leave dp_replicate or dp_shard at -1 to fill it in), "
+                "or change --nproc-per-node / --nnodes")
+        if cfg.pp_schedule in ("interleaved_1f1b", "zero_bubble") and cfg.pp_stages_per_rank < 2 and pp > 1:
+            raise DuokaError(f"parallel.pp_schedule={cfg.pp_schedule} interleaves several stages per rank, but "
+                             "parallel.pp_stages_per_rank=1", "set parallel.pp_stages_per_rank=2 (or more), or use "
+                             "pp_schedule=1f1b / gpipe")
+        if cfg.pp_schedule in ("gpipe", "1f1b") and cfg.pp_stages_per_rank > 1 and pp > 1:
+            raise DuokaError(f"parallel.pp_schedule={cfg.pp_schedule} runs one stage per rank, but "
+                             f"parallel.pp_stages_per_rank={cfg.pp_stages_per_rank}",
+                             "use pp_schedule=interleaved_1f1b or zero_bubble for several stages per rank, or set "
+                             "pp_stages_per_rank=1")
+        return cls(cfg.dp_mode, rep, shard, world_size, tp, pp)
+
+    def check_model(self, n_heads: int, n_kv_heads: int, n_layers: int, stages_per_rank: int = 1) -> None:
+        """Refuse a layout the model's shape cannot take, before any worker starts."""
+        if self.tp > 1 and (n_heads % self.tp or n_kv_heads % self.tp):
+            valid = [d for d in _divisors(n_kv_heads) if n_heads % d == 0]
+            raise DuokaError(
+                f"parallel.tp={self.tp} does not divide the model's {n_heads} attention heads and {n_kv_heads} "
+                "KV heads (each tensor-parallel rank must own whole heads; KV heads are not replicated)",
+                f"use parallel.tp in {valid}")
+        stages = self.pp * stages_per_rank
+        if self.pp > 1 and stages > n_layers:
+            raise DuokaError(f"parallel.pp x pp_stages_per_rank = {stages} stages but the model has {n_layers} "
+                             "layers", f"use at most {n_layers} stages")
 
     @property
     def dp_size(self) -> int:
@@ -54,23 +92,42 @@ class ParallelDims:
 
     @property
     def fsdp(self) -> bool:
-        return self.dp_mode == "fsdp"
+        """Whether FSDP2 applies data parallelism (and DDP does not)."""
+        return self.dp_mode == "fsdp" or self.tp > 1 or self.pp > 1
+
+    @property
+    def model_parallel(self) -> bool:
+        return self.tp > 1 or self.pp > 1
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        if not self.fsdp:
-            return init_device_mesh(device_type, (self.dp_replicate,), mesh_dim_names=("dp_replicate",))
-        if self.dp_replicate == 1:
-            return init_device_mesh(device_type, (self.dp_shard,), mesh_dim_names=("dp_shard",))
-        # HSDP: shards within each replica group, gradients all-reduced across groups.
-        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard),
-                                mesh_dim_names=("dp_replicate", "dp_shard"))
+        """The world mesh over all four dimensions (size-1 ones included, so every lookup by
+        name works whatever the layout)."""
+        sizes = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
+        return init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """This rank's position along each mesh dimension (row-major, tp fastest)."""
+        out = {}
+        for name, size in zip(reversed(MESH_DIMS), reversed((self.pp, self.dp_replicate, self.dp_shard, self.tp))):
+            rank, out[name] = divmod(rank, size)
+        return out
+
+    def dp_rank(self, rank: int) -> int:
+        c = self.coordinates(rank)
+        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
 
     def describe(self) -> str:
         if not self.fsdp:
-            return f"DDP x{self.dp_replicate}"
-        if self.dp_replicate == 1:
-            return f"FSDP2 x{self.dp_shard}"
-        return f"HSDP {self.dp_replicate} replicas x {self.dp_shard} shards"
+            dp = f"DDP x{self.dp_replicate}"
+        elif self.dp_mode == "ddp":
+            dp = f"replicated x{self.dp_replicate}"
+        elif self.dp_replicate == 1:
+            dp = f"FSDP2 x{self.dp_shard}"
+        else:
+            dp = f"HSDP {self.dp_replicate} replicas x {self.dp_shard} shards"
+        parts = [dp] if self.dp_size > 1 or not self.model_parallel else []
+        parts += ([f"TP x{self.tp}"] if self.tp > 1 else []) + ([f"PP x{self.pp}"] if self.pp > 1 else [])
+        return " | ".join(parts)
 
 
 def _divisors(n: int) -> list[int]:

@@ -135,6 +135,11 @@ def launch_training(
     # Everything a worker would otherwise discover late.
     args, model_dir, tokenizer_dir = resolve_model(cfg)
     dims = ParallelDims.from_config(cfg.parallel, world)
+    dims.check_model(args.n_heads, args.n_kv_heads, args.n_layers, cfg.parallel.pp_stages_per_rank)
+    if dims.pp > 1:
+        from duoka.models.qwen2.pipeline import layer_counts
+
+        layer_counts(args, dims.pp * cfg.parallel.pp_stages_per_rank, cfg.parallel.pp_layers, cfg.training.seq_len)
     if cfg.training.micro_batch_size != "auto":
         plan_batch(cfg.training.global_batch_size, dims.dp_size, cfg.training.micro_batch_size)
     elif cfg.training.global_batch_size % dims.dp_size:

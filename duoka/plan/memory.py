@@ -1,48 +1,464 @@
-"""Per-GPU memory estimate for training, used by `training.micro_batch_size = auto`.
+"""Per-GPU memory of a training step: what each part of the model, optimizer and batch
+takes, for any parallel layout duoka runs.
 
-A first estimate from the shapes (the planner issue refines it against measured peaks):
-- weights, gradients and AdamW moments in fp32 (16 bytes per parameter), divided by the
-  number of shards under FSDP;
-- FSDP's gathered bf16 copy of the largest block (two, for prefetch);
-- activations kept for backward, per token and layer, counted from the saved tensors of
-  this model with SDPA flash attention: norms' inputs and fp32 statistics, q/k/v/out,
-  the MLP's gate/up/product (~ 12·h + 4·kv + 5·I elements at 2 bytes), or only the block
-  input under full activation checkpointing;
-- logits in bf16 plus the fp32 copy and its gradient for cross-entropy (10 bytes per vocab
-  entry per token).
+The number estimated is the peak of `torch.cuda.max_memory_allocated()` during a steady
+training step: tensors PyTorch's caching allocator hands out. Not in it, and reported
+separately as `reserved` (what nvidia-smi would show): the allocator's cached but unused
+blocks (fragmentation), the CUDA context with its kernels, and NCCL's own buffers.
+
+Mixed precision as the trainer runs it: fp32 master weights, fp32 gradients and two fp32
+AdamW moments, i.e. 16 bytes per parameter of state, with bf16 compute. Two regimes:
+- "bf16": FSDP2 casts the gathered parameters to bf16, so the whole forward (residual
+  stream included) is bf16. Used for dp_mode=fsdp and for every tp/pp layout, which the
+  trainer always runs through FSDP2.
+- "autocast": DDP or a single process keeps fp32 weights and runs under torch.autocast.
+  Matmuls see bf16 copies of the weights (kept until backward uses them), but the residual
+  stream, the norms and the rotary step stay fp32.
+- "fp32": everything in fp32 (CPU runs, the equivalence tests).
+
+The peak is the largest of three moments of the step, each summed from its parts:
+- "loss backward": the end of forward, when every activation saved for backward is alive
+  and the cross-entropy backward runs on the logits (the peak of most configurations);
+- "block backward": the first decoder block's backward, with the loss's buffers freed but
+  (under activation checkpointing) one block recomputed;
+- "end of backward": all gradients exist, activations are gone, the last gradient
+  reduction is in flight (the peak of large models under activation checkpointing).
+
+Activations are counted from the tensors each op of duoka's Qwen2 block saves for
+backward (flash attention, so no seq x seq scores), the method of Korthikanti et al. 2022,
+"Reducing Activation Recomputation in Large Transformer Models" (arXiv:2205.05198,
+section 4.1). Their GPT count, 34·s·b·h + 5·a·s²·b bytes per layer, does not apply as is:
+no dropout masks, flash attention drops the 5·a·s²·b term, the MLP is SwiGLU (three
+matrices of width I instead of two of 4h), and the RMSNorm keeps an fp32 copy. Their
+sequence-parallel result carries over: under tp every saved tensor is divided by tp except
+the all-gathered inputs of the column-parallel projections.
+
+Checked against peaks measured on H200 (tests/unit/test_planner.py lists the points and
+their sources): within 3% on all of them.
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass, field
+
+from duoka.errors import DuokaError
 from duoka.models.qwen2.args import ModelArgs
+
+GIB = 2**30
+
+# The caching allocator reserves more than it hands out: blocks are split and cached by
+# size, so varying shapes leave holes. A few percent in steady training; the planner adds
+# it to the allocated peak (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True lowers it).
+FRAGMENTATION = 0.05
+# The CUDA context (kernel images of torch, cuBLAS, flash attention) lives outside the
+# caching allocator: about 0.5-0.6 GiB on an H100/H200 with torch 2.x.
+CUDA_CONTEXT_BYTES = 0.6 * GIB
+# NCCL allocates its channel buffers with cudaMalloc, outside the allocator: a few hundred
+# MiB per process for the collectives of a training step (more with many communicators).
+NCCL_BYTES = 0.5 * GIB
+# Bytes per parameter of training state: fp32 weights (4), fp32 gradients (4), AdamW
+# exp_avg and exp_avg_sq (4 + 4).
+WEIGHT_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
+# Cross-entropy on the logits, per vocabulary entry per token, at its peak (the start of
+# its backward): the fp32 log-probabilities log_softmax saved (4), their gradient from the
+# NLL backward (4, dense) and the gradient of the logits it produces (4). The bf16 logits
+# and their fp32 copy are already freed then (the trainer drops them before backward).
+LOSS_BYTES_PER_LOGIT = 12
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout, with the same names and meaning as the [parallel] config section:
+    world = dp_replicate x dp_shard x tp x pp."""
+
+    dp_mode: str = "ddp"
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_stages_per_rank: int = 1
+    reshard_after_forward: bool = True
+
+    def __post_init__(self):
+        if self.dp_mode not in ("ddp", "fsdp"):
+            raise DuokaError(f"dp_mode={self.dp_mode!r} is not a data-parallel mode", "use ddp or fsdp")
+        if self.dp_mode == "ddp" and self.dp_shard != 1:
+            raise DuokaError(f"dp_shard={self.dp_shard} needs dp_mode=fsdp (ddp does not shard)")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise DuokaError(f"pp_schedule={self.pp_schedule!r} is unknown", f"choose one of {', '.join(PP_SCHEDULES)}")
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "pp_stages_per_rank"):
+            if getattr(self, name) < 1:
+                raise DuokaError(f"{name}={getattr(self, name)} must be >= 1")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> bool:
+        """FSDP2 manages the parameters: dp_mode=fsdp, and every tp/pp layout (DDP does not
+        take DTensor parameters or pipeline stages, so the trainer replicates through an
+        FSDP2 mesh whose shard dimension is 1)."""
+        return self.dp_mode == "fsdp" or self.tp > 1 or self.pp > 1
+
+    @property
+    def ddp_wrapper(self) -> bool:
+        """torch's DistributedDataParallel is used (only without tp/pp, with > 1 replica)."""
+        return not self.fsdp and self.dp_replicate > 1
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.pp_stages_per_rank if self.pp > 1 else 1
+
+    def describe(self) -> str:
+        parts = []
+        if self.dp_mode == "fsdp" and self.dp_replicate > 1:
+            parts.append(f"hsdp {self.dp_replicate}x{self.dp_shard}")
+        elif self.dp_mode == "fsdp" and self.dp_shard > 1:
+            parts.append(f"fsdp {self.dp_shard}")
+        elif self.dp_replicate > 1:
+            parts.append(f"ddp {self.dp_replicate}")
+        if self.tp > 1:
+            parts.append(f"tp {self.tp}")
+        if self.pp > 1:
+            v = f" x{self.pp_stages_per_rank}" if self.pp_stages_per_rank > 1 else ""
+            parts.append(f"pp {self.pp} ({self.pp_schedule}{v})")
+        return " + ".join(parts) or "single GPU"
+
+
+def layout_from_config(parallel, world_size: int) -> Layout:
+    """The Layout of a [parallel] config section (duoka.config.ParallelConfig) on
+    world_size processes, resolving the -1 (auto) sizes as the trainer does."""
+    tp, pp = parallel.tp, parallel.pp
+    if world_size % (tp * pp):
+        raise DuokaError(f"tp x pp = {tp * pp} does not divide the {world_size} processes")
+    dp_world = world_size // (tp * pp)
+    rep, shard = parallel.dp_replicate, parallel.dp_shard
+    if parallel.dp_mode == "ddp":
+        shard, rep = 1, dp_world if rep == -1 else rep
+    else:
+        rep = 1 if rep == -1 else rep
+        shard = dp_world // rep if shard == -1 else shard
+    layout = Layout(parallel.dp_mode, rep, shard, tp, pp, parallel.pp_schedule,
+                    parallel.pp_stages_per_rank if pp > 1 else 1, parallel.reshard_after_forward)
+    if layout.world_size != world_size:
+        raise DuokaError(f"dp_replicate x dp_shard x tp x pp = {layout.world_size}, but {world_size} processes run")
+    return layout
+
+
+# ---------------------------------------------------------------- shapes
+
+
+def block_params(args: ModelArgs) -> tuple[int, int, int]:
+    """(all parameters, tensor-parallel-sharded parameters, matmul weights) of one decoder
+    block. The two RMSNorm gains (2·dim) are the only part tp replicates."""
+    hd, h = args.resolved_head_dim, args.dim
+    qkv = h * hd * (args.n_heads + 2 * args.n_kv_heads)
+    matmul = qkv + args.n_heads * hd * h + 3 * h * args.intermediate_size
+    sharded = matmul + hd * (args.n_heads + 2 * args.n_kv_heads)  # + the q/k/v biases, split with their heads
+    return sharded + 2 * h, sharded, matmul
+
+
+def stage_layer_counts(n_layers: int, n_stages: int) -> list[int]:
+    """Decoder layers per pipeline stage under parallel.pp_layers=even, as the trainer
+    splits them: n_layers + 2 units (the embedding and the output head count as one layer
+    each, torchtitan's convention) spread evenly, the extra units to the middle stages."""
+    if n_stages == 1:
+        return [n_layers]
+    base, extra = divmod(n_layers + 2, n_stages)
+    counts = [base] * n_stages
+    order = list(range(1, n_stages - 1)) + [0, n_stages - 1] if n_stages > 2 else list(range(n_stages))
+    for i in range(extra):
+        counts[order[i % len(order)]] += 1
+    counts[0] -= 1
+    counts[-1] -= 1
+    # A stage left with -1 layers (more stages than layers allow) gives one to a neighbour.
+    for i, c in enumerate(counts):
+        if c < 0:
+            counts[i] = 0
+            counts[i + 1 if i + 1 < n_stages else i - 1] += c
+    return counts
+
+
+def regime_of(layout: Layout, bf16: bool = True) -> str:
+    if not bf16:
+        return "fp32"
+    return "bf16" if layout.fsdp else "autocast"
+
+
+@dataclass(frozen=True)
+class SavedPerToken:
+    """Bytes saved for backward per token, by one decoder block (and the pieces around it)."""
+
+    block: float  # a whole block, no checkpointing
+    block_input: float  # what full activation checkpointing keeps per block: its input
+    final_norm: float  # the final RMSNorm and the head's input, on the rank holding the head
+    backward_transient: float  # gradients of a block's intermediates while its backward runs
+
+
+def saved_per_token(args: ModelArgs, regime: str, tp: int = 1) -> SavedPerToken:
+    """Count of the tensors each op of duoka's TransformerBlock saves for backward
+    (duoka/models/qwen2/model.py), per token, in bytes.
+
+    RMSNorm `w * (x.float() * rsqrt(mean(x²) + eps)).to(dtype)`: pow and mul save the fp32 x
+    (a copy in bf16, x itself in fp32), the weight multiply saves the normalised x in the
+    compute dtype; the rsqrt per token is negligible. The projections save their input:
+    one tensor shared by q/k/v (and one by gate/up) in bf16; under autocast each linear
+    saves its own bf16 cast of the fp32 norm output (autocast caches casts of weights only).
+    Rotary embedding multiplies by tables that need no gradient: nothing saved. Flash
+    attention saves q, k, v, its output (also the o projection's input) and a fp32
+    logsumexp per head. SwiGLU saves gate (for silu), silu(gate), up and their product.
+    The residual adds save nothing.
+
+    Under tp with sequence parallelism the norms and the block input are sequence-sharded,
+    the projections and attention head-sharded (all / tp), but the projections' inputs are
+    the all-gathered full sequence: torch's ColwiseParallel saves the gathered tensor
+    (Korthikanti et al. re-gather it in backward instead; torch does not)."""
+    h, i = args.dim, args.intermediate_size
+    q = args.n_heads * args.resolved_head_dim
+    kv = args.n_kv_heads * args.resolved_head_dim
+    if regime == "bf16":
+        norm = 4 * h + 2 * h  # fp32 copy + bf16 normalised
+        attn_input, mlp_input, head_input = 2 * h, 2 * h, 2 * h
+        block_input = 2 * h
+        e = 2
+    elif regime == "autocast":
+        norm = 4 * h + 4 * h  # the fp32 input itself + fp32 normalised
+        attn_input, mlp_input, head_input = 3 * 2 * h, 2 * 2 * h, 2 * h  # one bf16 cast per linear
+        block_input = 4 * h  # the residual stream is fp32
+        e = 2
+    elif regime == "fp32":
+        norm = 4 * h + 4 * h
+        attn_input, mlp_input, head_input = 4 * h, 4 * h, 4 * h
+        block_input = 4 * h
+        e = 4
+    else:
+        raise ValueError(f"unknown precision regime {regime!r}")
+    attention = e * (2 * q + 2 * kv) + 4 * args.n_heads  # q, k, v, out + logsumexp (fp32)
+    mlp = 4 * e * i
+    block = (2 * norm + attention + mlp) / tp + attn_input + mlp_input
+    # Backward of the MLP holds the gradients of the product, of silu(gate) and of up, and
+    # then of gate: about three I-wide tensors at once, plus the incoming gradient.
+    transient = (3 * e * i) / tp + 2 * e * h
+    return SavedPerToken(block=block, block_input=block_input / tp, final_norm=norm / tp + head_input,
+                         backward_transient=transient)
+
+
+def in_flight(layout: Layout, pp_rank: int, microbatches: int) -> int:
+    """Forward passes (of one pipeline stage each) whose activations a pipeline rank holds
+    at its peak. GPipe runs every micro-batch forward first; 1F1B holds at most pp - rank
+    (Narayanan et al. 2021, arXiv:2104.04473, section 2.2); the interleaved schedules hold
+    (v-1)·pp + 2·(pp-1-rank) + 1 stage-forwards, torch's warm-up count plus the one
+    running (section 2.2 of the same paper: about (1 + (pp-1)/(pp·v)) times 1F1B)."""
+    pp, v, m = layout.pp, layout.stages_per_rank, microbatches
+    if pp == 1:
+        return 1
+    if layout.pp_schedule == "gpipe":
+        return m * v
+    if layout.pp_schedule == "1f1b":
+        return min(m, pp - pp_rank)
+    return min(m * v, (v - 1) * pp + 2 * (pp - 1 - pp_rank) + 1)
+
+
+# ---------------------------------------------------------------- the estimate
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Per-GPU bytes at the peak moment of a training step, on the pipeline rank with the
+    largest peak. `allocated` is the sum of the parts and is comparable to
+    torch.cuda.max_memory_allocated(); `reserved` adds what the allocator does not count."""
+
+    parameters: float  # fp32 master weights held by this rank (sharded or replicated)
+    gradients: float  # fp32 gradients present at the peak (sharded, or unsharded while accumulating)
+    optimizer: float  # AdamW's two fp32 moments
+    gathered_parameters: float  # bf16 weights: FSDP all-gather buffers and unsharded root, or autocast's casts
+    activations: float  # tensors saved for backward (and a recomputed block under checkpointing)
+    logits: float  # cross-entropy buffers on the rank that holds the output head
+    communication: float  # DDP gradient buckets, FSDP reduce-scatter buffers, pipeline receive buffers
+    phase: str  # the moment of the step the peak falls on
+    pp_rank: int  # the pipeline rank this breakdown is for (0 without pp)
+    phases: dict[str, float] = field(default_factory=dict)  # total at each moment, for this rank
+    world_size: int = 1
+
+    @property
+    def allocated(self) -> float:
+        return (self.parameters + self.gradients + self.optimizer + self.gathered_parameters + self.activations
+                + self.logits + self.communication)
+
+    @property
+    def reserved(self) -> float:
+        """What the process holds on the GPU: the allocated peak plus fragmentation, the CUDA
+        context and (with more than one process) NCCL's buffers."""
+        nccl = NCCL_BYTES if self.world_size > 1 else 0.0
+        return self.allocated * (1 + FRAGMENTATION) + CUDA_CONTEXT_BYTES + nccl
+
+    def parts(self) -> dict[str, float]:
+        return {k: v for k, v in asdict(self).items() if isinstance(v, float)}
+
+    def to_dict(self) -> dict:
+        return {**{k: round(v / GIB, 3) for k, v in self.parts().items()}, "allocated": round(self.allocated / GIB, 3),
+                "reserved": round(self.reserved / GIB, 3), "phase": self.phase, "pp_rank": self.pp_rank,
+                "phases": {k: round(v / GIB, 3) for k, v in self.phases.items()}, "unit": "GiB"}
+
+
+def estimate_memory(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, activation_checkpointing: bool,
+                    accumulation: int = 1, bf16: bool = True) -> MemoryBreakdown:
+    """Peak memory per GPU of one training step.
+
+    accumulation: micro-batches per optimizer step on each rank (under pp, the pipeline's
+    micro-batches). It matters: while gradients accumulate, DDP holds them all, and FSDP2
+    with gradient sync off (the trainer's no-sync accumulation, and the pipeline schedules')
+    keeps them unsharded in fp32."""
+    if micro_batch < 1 or seq_len < 1 or accumulation < 1:
+        raise DuokaError("micro_batch, seq_len and accumulation must be >= 1")
+    regime = regime_of(layout, bf16)
+    best = None
+    for pp_rank in range(layout.pp):
+        b = _rank_memory(args, layout, pp_rank, micro_batch, seq_len, activation_checkpointing, accumulation, regime)
+        if best is None or b.allocated > best.allocated:
+            best = b
+    return best
+
+
+def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int, seq_len: int, ac: bool,
+                 accumulation: int, regime: str) -> MemoryBreakdown:
+    tp, pp, v = layout.tp, layout.pp, layout.stages_per_rank
+    tokens = micro_batch * seq_len
+    n_stages = pp * v
+    stages = [pp_rank + k * pp for k in range(v)]
+    counts = stage_layer_counts(args.n_layers, n_stages)
+    layers = sum(counts[s] for s in stages)
+    has_embedding, has_head = 0 in stages, (n_stages - 1) in stages
+
+    # Parameters this rank holds, after tp (before data-parallel sharding).
+    p_block, p_block_tp, p_block_mm = block_params(args)
+    block_local = (p_block_tp / tp + (p_block - p_block_tp))
+    vocab_rows = args.vocab_size * args.dim / tp
+    root = 0.0  # FSDP's root unit: embedding, final norm, output head
+    if has_embedding:
+        root += vocab_rows
+    if has_head:
+        # A tied head shares the embedding on the same rank; a later pipeline stage keeps its
+        # own copy of the tied weight.
+        root += args.dim + (0 if (args.tie_word_embeddings and has_embedding) else vocab_rows)
+    local = layers * block_local + root
+    matmul_local = layers * p_block_mm / tp + (vocab_rows if has_head else 0)
+
+    shard = layout.dp_shard if layout.fsdp else 1
+    accumulating = accumulation > 1
+    saved = saved_per_token(args, regime, tp)
+    flight = in_flight(layout, pp_rank, accumulation)  # stage-forwards held
+    layers_per_forward = layers / v
+
+    parameters = WEIGHT_BYTES * local / shard
+    optimizer = ADAM_BYTES * local / shard
+
+    # ---- gradients and gathered weights, per moment
+    if layout.fsdp:
+        # Accumulation without sync (and every pipeline schedule) keeps unsharded fp32 grads.
+        grads_live = GRAD_BYTES * local if accumulating else 0.0
+        if pp > 1 or not layout.reshard_after_forward:
+            # The trainer keeps a stage's weights gathered between forward and backward
+            # under pp (torchtitan's choice); reshard_after_forward=false does it anyway.
+            gathered = 2 * local
+        else:
+            # The root stays gathered from forward to backward (reshard_after_forward=False
+            # on it); one block gathered for compute and the next prefetched.
+            gathered = 2 * root + 2 * 2 * block_local
+        grads_end = GRAD_BYTES * (local - root) / shard
+        # The root's reduce-scatter comes last: the fp32 input buffer, and either the bf16
+        # gradients being copied in (fp32 accumulated ones while accumulating) or the output.
+        root_grads = (GRAD_BYTES if accumulating else 2) * root
+        comm_end = GRAD_BYTES * root + max(root_grads, GRAD_BYTES * root / shard)
+        # A block's backward: its bf16 gradients and their fp32 reduce-scatter buffer.
+        comm_block = (2 + GRAD_BYTES) * block_local
+        gathered_end = 0.0  # resharded before reducing
+        buckets = 0.0
+        # Gradients that exist during the blocks' backward without accumulation: the
+        # output head's, in bf16 (reduced with the root's at the very end).
+        head_grads = 2 * vocab_rows if has_head and not accumulating else 0.0
+    else:
+        grads_live = GRAD_BYTES * local if accumulating else 0.0
+        grads_end = GRAD_BYTES * local
+        comm_end = comm_block = 0.0
+        # DDP's reducer keeps flat fp32 buckets the size of all gradients.
+        buckets = GRAD_BYTES * local if layout.ddp_wrapper else 0.0
+        # Autocast's bf16 copy of each matmul weight is saved for backward by every
+        # micro-batch forward in flight.
+        gathered = 2 * matmul_local / v * flight if regime == "autocast" else 0.0
+        gathered_end = 0.0
+        head_grads = GRAD_BYTES * vocab_rows if has_head and not accumulating else 0.0
+
+    # ---- activations
+    per_layer = saved.block_input if ac else saved.block
+    held = flight * layers_per_forward * per_layer * tokens
+    final_norm = saved.final_norm * tokens if has_head else 0.0
+    logits = LOSS_BYTES_PER_LOGIT * args.vocab_size / tp * tokens if has_head else 0.0
+    recompute = (saved.block if ac else 0.0) * tokens
+    transient = saved.backward_transient * tokens
+    # Pipeline receive buffers: one bf16 activation from the previous stage and one
+    # gradient from the next, per stage the rank holds.
+    p2p = 2 * 2 * args.dim * tokens * v if pp > 1 else 0.0
+
+    persistent = parameters + optimizer
+    loss_moment = dict(gradients=grads_live, gathered_parameters=gathered, activations=held + final_norm,
+                       logits=logits, communication=buckets + p2p)
+    block_moment = dict(gradients=grads_live + head_grads, gathered_parameters=gathered,
+                        activations=held + recompute + transient, logits=0.0,
+                        communication=buckets + p2p + comm_block)
+    end_moment = dict(gradients=grads_end, gathered_parameters=gathered_end, activations=0.0, logits=0.0,
+                      communication=buckets + comm_end)
+    moments = {"loss backward": loss_moment, "block backward": block_moment, "end of backward": end_moment}
+    totals = {name: persistent + sum(parts.values()) for name, parts in moments.items()}
+    phase = max(totals, key=totals.get)
+    return MemoryBreakdown(parameters=float(parameters), optimizer=float(optimizer),
+                           **{k: float(x) for k, x in moments[phase].items()}, phase=phase, pp_rank=pp_rank,
+                           phases=totals, world_size=layout.world_size)
+
+
+# ---------------------------------------------------------------- used by the trainer
 
 
 def training_bytes(args: ModelArgs, micro_batch: int, seq_len: int, dp_shard: int, activation_checkpointing: bool,
-                   bf16: bool = True) -> int:
-    params = args.num_params()
-    state = 16 * params / dp_shard
-    if dp_shard > 1:
-        block = params / max(1, args.n_layers)
-        state += 2 * 2 * block
-    tokens = micro_batch * seq_len
-    elem = 2 if bf16 else 4
-    kv = args.n_kv_heads * args.resolved_head_dim
-    per_layer = (12 * args.dim + 4 * kv + 5 * args.intermediate_size) * elem
-    if activation_checkpointing:
-        per_layer = args.dim * elem
-        recompute = (12 * args.dim + 4 * kv + 5 * args.intermediate_size) * elem  # one block live in backward
-    else:
-        recompute = 0
-    activations = tokens * (args.n_layers * per_layer + recompute)
-    logits = tokens * args.vocab_size * (10 if bf16 else 12)
-    return int(state + activations + logits)
+                   bf16: bool = True, *, tp: int = 1, pp: int = 1, dp_mode: str | None = None, dp_replicate: int = 1,
+                   accumulation: int = 1, pp_schedule: str = "1f1b") -> int:
+    """Estimated peak allocated bytes per GPU (see estimate_memory). dp_mode defaults to
+    fsdp when dp_shard > 1 and to ddp otherwise."""
+    mode = dp_mode or ("fsdp" if dp_shard > 1 else "ddp")
+    layout = Layout(mode, dp_replicate, dp_shard if mode == "fsdp" else 1, tp, pp, pp_schedule,
+                    2 if pp > 1 and pp_schedule in ("interleaved_1f1b", "zero_bubble") else 1)
+    return int(estimate_memory(args, layout, micro_batch, seq_len, activation_checkpointing, accumulation,
+                               bf16).allocated)
 
 
 def largest_fitting_micro_batch(args: ModelArgs, per_rank: int, seq_len: int, dp_shard: int,
-                                activation_checkpointing: bool, free_bytes: int, headroom: float = 0.85) -> int:
-    """The largest divisor of the per-rank batch whose estimate fits in headroom x free memory."""
+                                activation_checkpointing: bool, free_bytes: int, headroom: float = 0.85,
+                                **layout) -> int:
+    """The largest divisor of the per-rank batch whose estimate fits in headroom x free memory.
+    layout: the keyword arguments of training_bytes (tp, pp, dp_mode, dp_replicate, ...).
+    Accumulation follows from the divisor (per_rank / micro-batch)."""
     best = 1
     for mb in range(1, per_rank + 1):
-        if per_rank % mb == 0 and training_bytes(args, mb, seq_len, dp_shard, activation_checkpointing) <= headroom * free_bytes:
+        if per_rank % mb:
+            continue
+        need = training_bytes(args, mb, seq_len, dp_shard, activation_checkpointing, accumulation=per_rank // mb,
+                              **layout)
+        if need <= headroom * free_bytes:
             best = mb
     return best
+
+
+def state_bytes(args: ModelArgs) -> float:
+    """fp32 weights, gradients and AdamW state of the whole model: a floor on the memory of
+    all GPUs together, whatever the layout."""
+    return (WEIGHT_BYTES + GRAD_BYTES + ADAM_BYTES) * args.num_params()
+
+

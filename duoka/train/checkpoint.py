@@ -154,7 +154,8 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
     return train_state
 
 
-def load_model_weights(path: Path, model) -> None:
-    """Only the model part (for export): a plain single-process model, no process group."""
+def load_model_weights(path: Path, model, no_dist: bool = False) -> None:
+    """Only the model part (for export) into a plain single-process model; no_dist when a
+    process group exists but this process reads alone."""
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, checkpoint_id=str(path), no_dist=no_dist)

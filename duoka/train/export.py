@@ -17,7 +17,10 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "generation_config.json")
 
 
-def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_shard_size: str = "5GB") -> Path:
+def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_shard_size: str = "5GB",
+                      no_dist: bool = False) -> Path:
+    """no_dist: read in this process alone although a process group exists (the trainer's
+    rank 0 exporting at the end of a pipeline-parallel run)."""
     if not (checkpoint / STATE_FILE).is_file() or not (checkpoint / ".metadata").is_file():
         hint = " (a .partial folder is an interrupted save)" if checkpoint.name.endswith(".partial") else ""
         raise DuokaError(f"{checkpoint} is not a complete duoka checkpoint{hint}",
@@ -28,7 +31,7 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_
     model = materialize(build_model(args), "cpu", torch.float32)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*single process.*")  # one process reading all shards is intended
-        load_model_weights(checkpoint, model)
+        load_model_weights(checkpoint, model, no_dist=no_dist)
     extra = [checkpoint / name for name in TOKENIZER_FILES if (checkpoint / name).is_file()]
     return save_hf_checkpoint(model, out, max_shard_size=max_shard_size, dtype=getattr(torch, dtype),
                               extra_files=extra)

@@ -9,7 +9,12 @@ Exactness: each micro-batch's loss is its summed cross-entropy divided by the nu
 target tokens in the whole global batch (all ranks, all micro-batches), times the
 data-parallel size to undo the mean that DDP and FSDP take over ranks. The summed
 gradient is then exactly the gradient of the mean loss over the global batch, whatever
-the layout or accumulation (tests/distributed checks 1 process = DDP = FSDP2 = HSDP).
+the layout or accumulation (tests/distributed checks 1 process = DDP = FSDP2 = HSDP =
+TP = PP under each schedule, and their combinations).
+
+Under tensor parallelism the loss runs on vocabulary-sharded logits (`loss_parallel`).
+Under pipeline parallelism the micro-batch loop is the schedule's: the rank's whole batch
+goes to `schedule.step`, which splits it into micro-batches and calls the same loss.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor.parallel import loss_parallel
 
 from duoka.config import Config
 from duoka.data.dataset import PackedWindows, Prefetcher, RandomTokens, rank_batches, step_inputs
@@ -36,6 +42,8 @@ from duoka.models.qwen2.args import ModelArgs
 from duoka.models.qwen2.hf_adapter import load_hf_weights, save_hf_state_dict
 from duoka.models.qwen2.model import build_model
 from duoka.models.qwen2.parallelize import parallelize_qwen2, unwrap
+from duoka.models.qwen2.pipeline import (ModelParts, TiedEmbeddingSync, build_schedule, build_stage_model,
+                                         layer_counts, stage_ids)
 from duoka.monitor.metrics import MetricsFile, mfu, peak_flops
 from duoka.parallel.dims import ParallelDims
 from duoka.plan.memory import largest_fitting_micro_batch
@@ -128,9 +136,14 @@ class Trainer:
             dist.init_process_group(backend, rank=self.rank, world_size=self.world, **kwargs)
 
         self.dims = ParallelDims.from_config(cfg.parallel, self.world)
+        self.dims.check_model(self.args.n_heads, self.args.n_kv_heads, self.args.n_layers,
+                              cfg.parallel.pp_stages_per_rank)
         self.mesh = self.dims.build_mesh(self.device.type)
-        # All ranks are data-parallel for now; with tp/pp this becomes the dp coordinate.
-        self.dp_rank, self.dp_size = self.rank, self.dims.dp_size
+        self.coords = self.dims.coordinates(self.rank)
+        self.dp_rank, self.dp_size = self.dims.dp_rank(self.rank), self.dims.dp_size
+        # Ranks that differ only in tp or pp coordinate see the same data; one of each such
+        # group counts its tokens and loss in the metrics: tp rank 0 of the last pp stage.
+        self.counts_for_metrics = self.coords["tp"] == 0 and self.coords["pp"] == self.dims.pp - 1
 
         dtype = cfg.training.dtype
         if dtype == "auto":
@@ -138,8 +151,14 @@ class Trainer:
         self.compute_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
 
         self.document_kernel = document_kernel(cfg.data.document_masking_kernel, self.device)
-        self.model = self._build_model()
+        self.schedule = None  # the pipeline schedule, built once the micro-batch count is known
+        self.model = self._build_pipeline() if self.dims.pp > 1 else self._build_model()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # Parameters whose gradients enter the norm: a last pipeline stage's copy of the
+        # tied embedding is left out (the first stage counts it).
+        tied_copy = (self.dims.pp > 1 and self.args.tie_word_embeddings and 0 not in self.stage_ids
+                     and self.model.tok_embeddings is not None)
+        self._norm_params = [p for p in self.params if not (tied_copy and p is self.model.tok_embeddings.weight)]
 
         if spec.token_file is None:
             self.data = RandomTokens(self.args.vocab_size, cfg.training.seq_len, cfg.training.seed)
@@ -153,6 +172,8 @@ class Trainer:
         if mb == "auto":
             mb = self._auto_micro_batch()
         self.batch = plan_batch(cfg.training.global_batch_size, self.dp_size, mb)
+        if self.dims.pp > 1:
+            self._build_schedule()
 
         self.peak_lr = effective_lr(cfg.optimizer, cfg.training.global_batch_size)
         self.optimizer = build_optimizer(self.model, cfg.optimizer, self.peak_lr, self.device.type)
@@ -193,11 +214,53 @@ class Trainer:
         self._fill(model)
         return parallelize_qwen2(model, self.dims, self.mesh, cfg, self.compute_dtype)
 
+    def _build_pipeline(self) -> ModelParts:
+        """This rank's pipeline stages, each parallelized like a whole model (TP, AC,
+        compile, FSDP2 over the data-parallel mesh), then allocated and filled."""
+        cfg, dims = self.cfg, self.dims
+        n_stages = dims.pp * cfg.parallel.pp_stages_per_rank
+        self.stage_counts = layer_counts(self.args, n_stages, cfg.parallel.pp_layers, cfg.training.seq_len)
+        self.stage_ids = stage_ids(self.coords["pp"], dims.pp, cfg.parallel.pp_stages_per_rank)
+        parts = []
+        for sid in self.stage_ids:
+            part = build_stage_model(self.args, sid, self.stage_counts)
+            part.attention_backend = self.document_kernel
+            part = parallelize_qwen2(part, dims, self.mesh, cfg, self.compute_dtype)
+            part.to_empty(device=self.device)
+            self._fill(part)
+            parts.append(part)
+        self.pp_parts = parts
+        self.tied_sync = None
+        if self.args.tie_word_embeddings:
+            # The first stage (pp rank 0) and the last (pp rank pp-1) hold copies of the
+            # tied weight: one pair of ranks per (dp_replicate, dp_shard, tp) coordinate.
+            ranks = torch.arange(self.world).view(dims.pp, -1)
+            pairs = [(int(a), int(b)) for a, b in zip(ranks[0], ranks[-1])]
+            self.tied_sync = TiedEmbeddingSync(pairs, self.rank)
+        return ModelParts(parts)
+
+    def _build_schedule(self) -> None:
+        cfg = self.cfg
+        n_micro = cfg.parallel.pp_microbatches or self.batch.accumulation
+        if self.batch.per_rank % n_micro:
+            raise DuokaError(f"parallel.pp_microbatches={n_micro} does not divide the per-rank batch of "
+                             f"{self.batch.per_rank} samples",
+                             f"choose a divisor of {self.batch.per_rank} (0: per-rank batch / micro_batch_size)")
+        n_stages = self.dims.pp * cfg.parallel.pp_stages_per_rank
+        self.schedule = build_schedule(self.pp_parts, self.stage_ids, n_stages, cfg.parallel.pp_schedule, n_micro,
+                                       self._pipeline_loss, self.device, self.mesh["pp"].get_group())
+
+    def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss for one micro-batch, normalised like every other layout's."""
+        ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum",
+                             ignore_index=IGNORE_INDEX)
+        return ce * self.dp_size / self._global_tokens
+
     def _fill(self, model) -> None:
         if self.spec.resume_from:
             return  # every value comes from the checkpoint (DCP loading is strict about missing keys)
         if self.spec.model_dir:
-            load_hf_weights(model, Path(self.spec.model_dir))
+            load_hf_weights(model, Path(self.spec.model_dir), allow_unused=self.dims.pp > 1)
         else:
             model.init_weights(seed=self.cfg.training.seed)
 
@@ -208,7 +271,7 @@ class Trainer:
         if self.device.type != "cuda":
             return per_rank  # host memory is rarely the limit for the models a CPU can train
         free, _ = torch.cuda.mem_get_info(self.device)
-        shard = self.dims.dp_shard if self.dims.fsdp else 1
+        shard = self.dims.dp_shard * self.dims.tp * self.dims.pp if self.dims.fsdp else 1
         mb = largest_fitting_micro_batch(self.args, per_rank, self.cfg.training.seq_len, shard,
                                          self.cfg.training.activation_checkpointing == "full",
                                          free + torch.cuda.memory_allocated(self.device))
@@ -234,6 +297,11 @@ class Trainer:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.compute_dtype)
 
+    def _loss_context(self):
+        """Cross-entropy on vocabulary-sharded logits under tensor parallelism (forward and
+        backward must both run inside)."""
+        return loss_parallel() if self.dims.tp > 1 else contextlib.nullcontext()
+
     def _summed_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed cross-entropy in fp32. A function of its own so that the bf16 logits go out
         of scope before backward: held by a caller's variable they stay alive through the
@@ -243,6 +311,39 @@ class Trainer:
             logits = self.model(**model_inputs)
         return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), reduction="sum",
                                ignore_index=IGNORE_INDEX)
+
+    def _pipeline_step(self, micro: list[dict], global_tokens: torch.Tensor) -> torch.Tensor:
+        """One optimizer step's forward and backward through the pipeline schedule: the
+        rank's micro-batches joined into one batch, which the schedule splits again into
+        pp_microbatches. Returns the summed cross-entropy (on the last stage; 0 elsewhere)."""
+        batch = {k: torch.cat([m[k] for m in micro]) for k in micro[0]}
+        tokens, labels = batch.pop("tokens"), batch.pop("labels")
+        self._global_tokens = global_tokens
+        args = (tokens,) if 0 in self.stage_ids else ()
+        losses: list[torch.Tensor] = []  # the last stage's normalised micro-batch losses
+        with self._loss_context():
+            self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **batch)
+        if self.tied_sync is not None:
+            self.tied_sync(self.model.tok_embeddings.weight if self.model.tok_embeddings is not None else None)
+        if not losses:
+            return torch.zeros((), device=self.device)
+        return sum(_local(x).detach().double() for x in losses) * global_tokens.double() / self.dp_size
+
+    def _clip_gradients(self, max_norm: float) -> torch.Tensor:
+        """Clip to a global L2 norm over every parameter of the model, counted once: across
+        tp and dp shards (DTensor), across pipeline stages (summed squares over the pp
+        group), and the tied embedding once although two stages hold a copy."""
+        if self.dims.pp == 1:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
+            return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        grads = [p.grad for p in self._norm_params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        squared = norm.float() ** 2
+        dist.all_reduce(squared, group=self.mesh["pp"].get_group())
+        norm = squared.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, norm, foreach=True)
+        return norm
 
     def train(self) -> None:
         cfg, steps = self.cfg, self.cfg.training.steps
@@ -256,10 +357,13 @@ class Trainer:
         started = time.perf_counter()
         self.model.train()
         prefetch = Prefetcher(
-            lambda s: [step_inputs(b, IGNORE_INDEX, self.eot, self.document_kernel == "varlen")
+            lambda s: [step_inputs(b, IGNORE_INDEX, self.eot, self.document_kernel == "varlen" and self.dims.pp == 1,
+                                   always_positions=self.dims.model_parallel)
                        for b in rank_batches(self.data, s, cfg.training.global_batch_size, self.batch.micro_batch,
                                              self.dp_rank, self.dp_size, cfg.training.seed)],
             self.start_step, steps, pin=self.device.type == "cuda")
+        # Pipeline stages split the batch themselves and cannot split varlen offsets by
+        # sample: under pp the model derives them from the document ids on the device.
         try:
             self._loop(steps, prefetch, metrics, console, started)
         finally:
@@ -283,19 +387,22 @@ class Trainer:
             micro = [{k: t.to(self.device, non_blocking=True) for k, t in b.items()} for b in host]
             t_data = time.perf_counter() - t0
 
-            global_tokens = torch.tensor(float(local_tokens), device=self.device)
+            # Every tp and pp rank of a data-parallel replica holds the same tokens.
+            global_tokens = torch.tensor(float(local_tokens), device=self.device, dtype=torch.float64)
             dist.all_reduce(global_tokens)
-            loss_sum = torch.zeros((), device=self.device)
-            for i, batch in enumerate(micro):
-                with self._sync_context(last=i == len(micro) - 1):
-                    ce = self._summed_loss(batch)
-                    (ce * self.dp_size / global_tokens).backward()
-                loss_sum += ce.detach()
+            global_tokens = (global_tokens / (self.dims.tp * self.dims.pp)).float()
+            if self.schedule is not None:
+                loss_sum = self._pipeline_step(micro, global_tokens)
+            else:
+                loss_sum = torch.zeros((), device=self.device)
+                for i, batch in enumerate(micro):
+                    with self._sync_context(last=i == len(micro) - 1), self._loss_context():
+                        ce = self._summed_loss(batch)
+                        (ce * self.dp_size / global_tokens).backward()
+                    loss_sum += _local(ce).detach()
 
             max_norm = cfg.training.grad_clip if cfg.training.grad_clip > 0 else math.inf
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
+            grad_norm = self._clip_gradients(max_norm)
             lr = lr_at(step, steps, self.peak_lr, cfg.optimizer)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -307,8 +414,9 @@ class Trainer:
 
             # One small all-gather per step carries every rank's figures for the metrics line
             # and whether any rank was asked to stop (SIGTERM), so all stop at the same step.
-            mine = torch.tensor([loss_sum.item(), local_tokens, step_time, t_data, float(self.stop_requested)],
-                                device=self.device, dtype=torch.float64)
+            counted = self.counts_for_metrics
+            mine = torch.tensor([loss_sum.item() if counted else 0.0, local_tokens if counted else 0, step_time, t_data,
+                                 float(self.stop_requested)], device=self.device, dtype=torch.float64)
             gathered = [torch.zeros_like(mine) for _ in range(self.world)]
             dist.all_gather(gathered, mine)
             per_rank = torch.stack(gathered).cpu()
@@ -402,6 +510,20 @@ class Trainer:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         out = self.run_dir / "hf" / f"step-{step}"
+        if self.dims.pp > 1:
+            # No rank holds every stage: rank 0 converts the final checkpoint (all stages'
+            # files) into a Hugging Face folder, in one process.
+            checkpoint = self.run_dir / "checkpoints" / f"step-{step}"
+            if not checkpoint.is_dir():
+                raise DuokaError("under pipeline parallelism the final Hugging Face export is made from the final "
+                                 "checkpoint, and checkpoint.enabled=false",
+                                 "enable checkpoints, or set checkpoint.export_final=false and run duoka export")
+            if self.rank == 0:
+                from duoka.train.export import export_checkpoint
+
+                export_checkpoint(checkpoint, out, dtype="float32", no_dist=True)
+            dist.barrier()
+            return out
         model = unwrap(self.model)
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.rank == 0:
@@ -411,6 +533,11 @@ class Trainer:
             save_hf_state_dict(state, self.args, out, extra_files=[Path(f) for f in self.spec.tokenizer_files])
         dist.barrier()
         return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's value (the loss under loss_parallel is replicated) or the tensor itself."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
 def _truncate_metrics(path: Path, last_step: int) -> None:

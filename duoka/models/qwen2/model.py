@@ -252,6 +252,9 @@ class Qwen2(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.attention_backend = "sdpa"  # how packed documents are masked, see document_mask
+        # False for pipeline stages after the first (duoka.models.qwen2.pipeline); the last
+        # stage of a tied model keeps tok_embeddings only as the home of the shared weight.
+        self.takes_tokens = True
         self.tie_weights()
 
     def tie_weights(self):
@@ -302,9 +305,10 @@ class Qwen2(nn.Module):
         packed sequences: a token attends only to earlier tokens of its own document (give
         positions restarting per document too, see duoka.data.dataset.document_layout).
         cu_seqlens: document_starts(document_ids) precomputed, for the varlen backend."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        # A later pipeline stage receives the previous stage's hidden states instead of tokens.
+        h = self.tok_embeddings(tokens) if self.takes_tokens else tokens
         if positions is None:
-            positions = torch.arange(h.shape[1], device=h.device)
+            positions = torch.arange(tokens.shape[1], device=h.device)
         cos, sin = rope_cos_sin(positions, self.args.resolved_head_dim, self.args.rope_theta, h.dtype)
         mask = None
         if cache is not None:

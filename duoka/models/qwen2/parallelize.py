@@ -1,6 +1,6 @@
-"""Apply the parallel layout to a meta-built Qwen2, in torchtitan's order:
-tensor parallel plan (with the model-parallel issue) -> activation checkpointing ->
-compile -> FSDP2 (per block, then the root) or DDP.
+"""Apply the parallel layout to a meta-built Qwen2 (or one pipeline stage of it), in
+torchtitan's order: tensor parallel plan -> activation checkpointing -> compile -> FSDP2
+(per block, then the root) or DDP.
 
 The model itself stays a plain module; everything distributed happens here.
 """
@@ -12,11 +12,60 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from duoka.config import Config
 from duoka.models.qwen2.model import Qwen2
 from duoka.parallel.dims import ParallelDims
+
+# TransformerBlock calls attention(x, cos, sin, cache, layer, input_pos, mask): only x is
+# a sharded activation; the others pass through as they are.
+_ATTENTION_ARGS = 7
+
+
+def apply_tensor_parallel(model: Qwen2, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style tensor parallelism with sequence parallelism (Korthikanti et al.
+    2022, arXiv:2205.05198) on DTensor: q/k/v and gate/up projections split by output
+    columns (whole heads per rank, QKV biases with them), o and down projections by input
+    rows; between them the residual stream stays sharded on the sequence, and the norms run
+    on their sequence shard. The output head is split by vocabulary and its logits stay
+    sharded: the loss runs under `loss_parallel` and never gathers them."""
+    plan = {}
+    if model.tok_embeddings is not None and model.takes_tokens:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    elif model.tok_embeddings is not None:  # a last pipeline stage holding the tied weight only
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if model.norm is not None:
+        plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, tp_mesh, plan)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1),) + (None,) * (_ATTENTION_ARGS - 1),
+                                            desired_input_layouts=(Replicate(),) + (None,) * (_ATTENTION_ARGS - 1)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    # Both the embedding (rowwise) and the head (colwise) shard the [vocab, dim] weight on
+    # the vocabulary: the tied weight keeps one layout, so re-tying after the plan is safe.
+    model.tie_weights()
 
 
 def parallelize_qwen2(model: Qwen2, dims: ParallelDims, mesh: DeviceMesh, cfg: Config, compute_dtype: torch.dtype):
@@ -24,6 +73,8 @@ def parallelize_qwen2(model: Qwen2, dims: ParallelDims, mesh: DeviceMesh, cfg: C
 
     Called on the meta device for FSDP (sharding happens before any memory is taken);
     DDP needs real storage, so the caller materialises first for ddp."""
+    if dims.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"])
     if cfg.training.activation_checkpointing == "full":
         for name, block in model.layers.items():
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
@@ -35,17 +86,24 @@ def parallelize_qwen2(model: Qwen2, dims: ParallelDims, mesh: DeviceMesh, cfg: C
         # bf16 parameters for compute, fp32 gradient reduction, fp32 master weights in the
         # optimizer: the usual mixed precision recipe.
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        # One shard dimension: plain FSDP2. Replica groups too: HSDP (with a shard size of 1
+        # that is replicated weights with all-reduced gradients, DDP's semantics).
+        dp_mesh = mesh["dp_shard"] if dims.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
         reshard = cfg.parallel.reshard_after_forward
+        if dims.pp > 1:
+            # Each micro-batch's backward would gather the weights again: keep them
+            # gathered between a stage's forward and backward (torchtitan's choice).
+            reshard = False
         for block in model.layers.values():
-            fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+            fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
         # The root holds the embedding, final norm and head; it is used last in forward and
         # first in backward, so keeping it gathered after forward saves one all-gather.
-        fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
         return model
     if dims.world_size == 1:
         return model
     device_ids = [torch.cuda.current_device()] if mesh.device_type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, process_group=mesh.get_group())
+    return DistributedDataParallel(model, device_ids=device_ids, process_group=mesh["dp_replicate"].get_group())
 
 
 def unwrap(module: nn.Module) -> Qwen2:
