@@ -192,6 +192,51 @@ def run_export(a: argparse.Namespace) -> int:
     return 0
 
 
+def add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="memory estimate and ranked parallel layouts for a model on N GPUs",
+                       description="Estimate per-GPU memory (weights, gradients, optimizer, activations, logits, "
+                                   "buffers) for every layout duoka runs, rank those that fit by estimated step "
+                                   "time, explain the first and print a config for it. Flags left out are read "
+                                   "from this machine's GPUs. See docs/plan.md.")
+    p.add_argument("--model", required=True, help="flavor (qwen2-7b, or 7b for short) or a Hugging Face folder / hub id")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs of the whole job, all nodes together "
+                   "(default: this node's visible GPUs x --nodes)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (default 1)")
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
+                   help="memory of one GPU in GiB (default: read from this machine's GPUs)")
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (default 8 per GPU)")
+    p.add_argument("--interconnect", choices=("nvlink", "pcie", "ib"), default=None,
+                   help="link between the GPUs of one node (default: detected, else nvlink); ib: none but the NIC")
+    p.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
+    p.add_argument("--json", action="store_true", help="print the whole plan as JSON instead of tables")
+    p.add_argument("--out", default=None, help="write the recommended config to this TOML file")
+    p.set_defaults(func=run_plan)
+
+
+def run_plan(a: argparse.Namespace) -> int:
+    import json
+
+    from duoka.plan.planner import detect_hardware, make_plan, render, resolve_model
+
+    model = resolve_model(a.model)
+    hw = detect_hardware(a.gpus, a.gpu_memory, a.nodes, a.interconnect)
+    plan = make_plan(model, hw, a.seq, a.global_batch)
+    if a.out:
+        out = Path(a.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(plan.config_toml())
+    if a.json:
+        print(json.dumps(plan.to_dict(), indent=1))
+    else:
+        from rich.console import Console
+
+        render(plan, Console(), a.top)
+    if a.out:
+        log(f"duoka: wrote {a.out}")
+    return 0
+
+
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     """Take `--section.key=value` / `--section.key value` out before argparse sees them
     (a dotted flag name is an override; its section is checked by the config)."""
@@ -221,6 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_parser(sub)
     add_prepare_parser(sub)
     add_export_parser(sub)
+    add_plan_parser(sub)
     return parser
 
 

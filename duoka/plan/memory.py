@@ -121,15 +121,16 @@ class Layout:
         parts = []
         if self.dp_mode == "fsdp" and self.dp_replicate > 1:
             parts.append(f"hsdp {self.dp_replicate}x{self.dp_shard}")
-        elif self.dp_mode == "fsdp" and self.dp_shard > 1:
+        elif self.dp_mode == "fsdp" and (self.dp_shard > 1 or self.tp == self.pp == 1):
             parts.append(f"fsdp {self.dp_shard}")
         elif self.dp_replicate > 1:
             parts.append(f"ddp {self.dp_replicate}")
         if self.tp > 1:
             parts.append(f"tp {self.tp}")
         if self.pp > 1:
-            v = f" x{self.pp_stages_per_rank}" if self.pp_stages_per_rank > 1 else ""
-            parts.append(f"pp {self.pp} ({self.pp_schedule}{v})")
+            sched = f"interleaved x{self.pp_stages_per_rank}" if self.pp_schedule == "interleaved_1f1b" else \
+                self.pp_schedule.replace("_", " ")
+            parts.append(f"pp {self.pp} {sched}")
         return " + ".join(parts) or "single GPU"
 
 
@@ -380,6 +381,7 @@ def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int
         comm_end = GRAD_BYTES * root + max(root_grads, GRAD_BYTES * root / shard)
         # A block's backward: its bf16 gradients and their fp32 reduce-scatter buffer.
         comm_block = (2 + GRAD_BYTES) * block_local
+        recompute_casts = 0.0
         gathered_end = 0.0  # resharded before reducing
         buckets = 0.0
         # Gradients that exist during the blocks' backward without accumulation: the
@@ -391,9 +393,13 @@ def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int
         comm_end = comm_block = 0.0
         # DDP's reducer keeps flat fp32 buckets the size of all gradients.
         buckets = GRAD_BYTES * local if layout.ddp_wrapper else 0.0
-        # Autocast's bf16 copy of each matmul weight is saved for backward by every
-        # micro-batch forward in flight.
-        gathered = 2 * matmul_local / v * flight if regime == "autocast" else 0.0
+        # Autocast's bf16 copy of each matmul weight is saved for backward (autocast only
+        # runs without tp/pp: one stage, one forward in flight). Checkpointed blocks save
+        # nothing, so only the head's copy stays; each block casts again when recomputed.
+        head_mm = vocab_rows if has_head else 0.0
+        cast = 2 if regime == "autocast" else 0
+        gathered = cast * (head_mm if ac else matmul_local)
+        recompute_casts = cast * p_block_mm / tp if ac else 0.0
         gathered_end = 0.0
         head_grads = GRAD_BYTES * vocab_rows if has_head and not accumulating else 0.0
 
@@ -411,7 +417,7 @@ def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int
     persistent = parameters + optimizer
     loss_moment = dict(gradients=grads_live, gathered_parameters=gathered, activations=held + final_norm,
                        logits=logits, communication=buckets + p2p)
-    block_moment = dict(gradients=grads_live + head_grads, gathered_parameters=gathered,
+    block_moment = dict(gradients=grads_live + head_grads, gathered_parameters=gathered + recompute_casts,
                         activations=held + recompute + transient, logits=0.0,
                         communication=buckets + p2p + comm_block)
     end_moment = dict(gradients=grads_end, gathered_parameters=gathered_end, activations=0.0, logits=0.0,

@@ -415,15 +415,17 @@ class Trainer:
             # One small all-gather per step carries every rank's figures for the metrics line
             # and whether any rank was asked to stop (SIGTERM), so all stop at the same step.
             counted = self.counts_for_metrics
+            peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
             mine = torch.tensor([loss_sum.item() if counted else 0.0, local_tokens if counted else 0, step_time, t_data,
-                                 float(self.stop_requested)], device=self.device, dtype=torch.float64)
+                                 float(self.stop_requested), peak], device=self.device, dtype=torch.float64)
             gathered = [torch.zeros_like(mine) for _ in range(self.world)]
             dist.all_gather(gathered, mine)
             per_rank = torch.stack(gathered).cpu()
             tokens_seen += int(per_rank[:, 1].sum())
             record = self._record(step + 1, per_rank, tokens_seen, lr, float(grad_norm))
-            if self.device.type == "cuda":
-                record["peak_mem_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+            if self.device.type == "cuda":  # the largest over ranks (pipeline stages differ)
+                record["peak_mem_gib"] = float(per_rank[:, 5].max())
+                record["per_rank"]["peak_mem_gib"] = [float(r[5]) for r in per_rank]
             if metrics:
                 metrics.write(record)
             if console and ((step + 1) % cfg.metrics.log_interval == 0 or step + 1 == steps or step == 0):
@@ -452,7 +454,7 @@ class Trainer:
 
     def _record(self, step: int, per_rank: torch.Tensor, tokens_seen: int, lr: float, grad_norm: float) -> dict:
         """The metrics.jsonl line (design.md's contract) from the gathered per-rank rows
-        [loss sum, target tokens, step time, data time, stop flag]."""
+        [loss sum, target tokens, step time, data time, stop flag, peak memory GiB]."""
         slowest = float(per_rank[:, 2].max())  # a synchronous step takes as long as its slowest rank
         tps = float(per_rank[:, 1].sum()) / slowest
         return {

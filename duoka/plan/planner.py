@@ -1,0 +1,736 @@
+"""`duoka plan`: which parallel layout, micro-batch and activation checkpointing to train a
+model with on a given set of GPUs, and why.
+
+Every layout duoka runs is enumerated (ddp, fsdp, hsdp, tp within a node, pp, and their
+combinations), with every power-of-two micro-batch that divides the per-rank batch, with
+and without activation checkpointing. Each gets a per-GPU memory estimate
+(duoka.plan.memory) and a step time from the cost model below; those that do not fit are
+dropped, the rest ranked by step time, and among near-ties (within TIE) the simplest
+layout wins: ddp > fsdp > hsdp > tp > pp, since each step to the right adds
+communication on the critical path and ways to fail.
+
+Cost model of one optimizer step on one GPU (relative times are what it is for; the
+absolute figure assumes a well-fed GPU and is no benchmark):
+- compute: training FLOPs (PaLM's 6·N + 12·L·H·S per token, design.md) of the work this
+  GPU does, x 4/3 for the decoder blocks under full activation checkpointing (the forward
+  runs twice), at GEMM_EFFICIENCY of the bf16 peak, lowered for small per-GPU matmuls
+  (micro-batch x seq x dim/tp elements per projection; half speed at HALF_SPEED_ELEMENTS);
+- tensor parallel: with sequence parallelism, each block does 2 all-gathers and 2
+  reduce-scatters of the full activation forward and again backward (Korthikanti et al.
+  2022, arXiv:2205.05198, section 4.2.2), 3 more under checkpointing; on the critical
+  path, not overlapped; tp stays inside a node;
+- data parallel: DDP all-reduces fp32 gradients once per step (2·(n-1)/n of their bytes);
+  FSDP all-gathers bf16 weights per micro-batch (forward, and backward again when
+  resharding after forward) and reduce-scatters fp32 gradients once per step; HSDP adds
+  an all-reduce of the shards across replicas. It overlaps with compute except the first
+  unit's share; what does not fit under the compute time is exposed;
+- FSDP's per-unit cost (hooks, copies, stream waits): FSDP_UNIT_S per block per pass,
+  measured (bench/results/train_vs_peer.md: FSDP2 vs DDP on 2 x H200, 0.5B and 1.5B);
+- pipeline: the slowest stage's time x (m + (pp-1)/v) for m micro-batches and v stages
+  per rank, i.e. the bubble fraction (pp-1)/(v·m + pp-1) of Narayanan et al. 2021
+  (arXiv:2104.04473); plus the stage-to-stage sends;
+- optimizer: fused AdamW streams OPTIMIZER_BYTES_PER_PARAM bytes per local parameter
+  through HBM.
+Ignored: kernel contention between NCCL and compute, CPU launch overhead of tiny models,
+data loading.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from duoka.errors import DuokaError
+from duoka.models.qwen2.args import FLAVORS, ModelArgs, from_hf_config
+from duoka.plan.memory import (
+    GIB,
+    Layout,
+    MemoryBreakdown,
+    block_params,
+    estimate_memory,
+    in_flight,
+    stage_layer_counts,
+    state_bytes,
+)
+
+# ---- hardware constants (bytes/s per GPU, as NCCL's bus bandwidth)
+# NVLink 4 (H100/H200 SXM) is 450 GB/s per direction; all-reduce reaches ~327 GB/s bus
+# bandwidth on the lent H200s (design.md), so 350 is a fair planning figure.
+LINK_BYTES_PER_S = {"nvlink": 350e9, "pcie": 25e9, "ib": 25e9}
+# PCIe 4.0 x16 is 32 GB/s raw, ~25 achieved; collectives through the host bridge get no
+# more. Across nodes: one 200 Gb/s NIC (HDR / NDR200 InfiniBand, or RoCE) per GPU.
+INTER_NODE_BYTES_PER_S = 25e9
+COLLECTIVE_LATENCY_S = 20e-6  # one NCCL collective's fixed cost inside a node
+DEFAULT_PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16, when the GPU is not known
+HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "H800": 3.35e12, "A100": 2.0e12, "B200": 8.0e12}
+DEFAULT_HBM_BYTES_PER_S = 3.35e12
+
+# ---- cost model constants
+GEMM_EFFICIENCY = 0.5  # fraction of the bf16 peak a step reaches on large matmuls (7B FSDP2: 43-50% MFU)
+HALF_SPEED_ELEMENTS = 2**20  # micro-batch x seq x dim/tp at which that efficiency halves
+FSDP_UNIT_S = 0.5e-3  # per FSDP unit per forward or backward pass (0.5-0.66 ms measured)
+DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+OPTIMIZER_BYTES_PER_PARAM = 32  # fused AdamW: read w, g, m, v (16), write w, m, v (12), grad norm (4)
+AC_RECOMPUTE = 4 / 3  # full checkpointing runs each block's forward (1/3 of its FLOPs) again
+
+# ---- ranking
+USABLE_FRACTION = 0.9  # a plan's reserved estimate must stay under this share of GPU memory
+TIE = 0.03  # step times within 3% of the fastest count as a tie: the simplest layout wins
+MAX_GPUS_SEARCHED = 4096
+TP_SIZES = (1, 2, 4, 8)
+FAMILY_ORDER = ("single", "ddp", "fsdp", "hsdp", "tp", "pp")
+
+
+# ---------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpus: int  # all GPUs of the job, over every node
+    nodes: int
+    gpu_memory_gib: float
+    interconnect: str  # the link between GPUs of one node: nvlink, pcie, or ib (none but the NIC)
+    gpu_name: str = ""
+    peak_flops: float = DEFAULT_PEAK_FLOPS
+    hbm_bytes_per_s: float = DEFAULT_HBM_BYTES_PER_S
+    detected: tuple[str, ...] = ()  # which fields came from this machine's GPUs
+
+    def __post_init__(self):
+        if self.gpus < 1 or self.nodes < 1:
+            raise DuokaError(f"--gpus {self.gpus} and --nodes {self.nodes} must be >= 1")
+        if self.gpus % self.nodes:
+            raise DuokaError(f"--gpus {self.gpus} (all GPUs of the job) do not split evenly over --nodes {self.nodes}",
+                             f"give the total, a multiple of {self.nodes} (e.g. --gpus {self.nodes * 8} for "
+                             f"{self.nodes} nodes of 8)")
+        if self.gpu_memory_gib <= 0:
+            raise DuokaError(f"--gpu-memory {self.gpu_memory_gib} must be positive (GiB per GPU)")
+        if self.interconnect not in LINK_BYTES_PER_S:
+            raise DuokaError(f"--interconnect {self.interconnect} is unknown", "use nvlink, pcie or ib")
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.gpus // self.nodes
+
+    @property
+    def usable_bytes(self) -> float:
+        return USABLE_FRACTION * self.gpu_memory_gib * GIB
+
+    def bandwidth(self, crosses_nodes: bool) -> float:
+        if crosses_nodes:
+            return min(INTER_NODE_BYTES_PER_S, LINK_BYTES_PER_S[self.interconnect])
+        return LINK_BYTES_PER_S[self.interconnect]
+
+    def describe(self) -> str:
+        nodes = f" ({self.nodes} nodes of {self.gpus_per_node})" if self.nodes > 1 else ""
+        name = f" {self.gpu_name}" if self.gpu_name else ""
+        return f"{self.gpus} x{name} {self.gpu_memory_gib:g} GiB{nodes}, {self.interconnect}"
+
+
+def _local_gpus():
+    from duoka.parallel.devices import read_gpus, visible_indices
+
+    gpus = read_gpus()
+    visible = set(visible_indices(os.environ.get("CUDA_VISIBLE_DEVICES"), gpus))
+    return [g for g in gpus if g.index in visible]
+
+
+def _nvlink_active() -> bool:
+    """Whether GPU 0 has an active NVLink (NVML); False where it cannot be read."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return False
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+        for link in range(18):  # NVML_NVLINK_MAX_LINKS on Hopper
+            try:
+                if pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED:
+                    return True
+            except pynvml.NVMLError:
+                break
+        return False
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _hbm_bandwidth(name: str) -> float:
+    upper = name.upper()
+    return next((bw for key, bw in HBM_BYTES_PER_S.items() if key in upper), DEFAULT_HBM_BYTES_PER_S)
+
+
+def detect_hardware(gpus: int | None = None, gpu_memory_gib: float | None = None, nodes: int = 1,
+                    interconnect: str | None = None, local_gpus=None) -> Hardware:
+    """The machine to plan for: what the flags say, the rest read from this machine's GPUs
+    (NVML, honouring CUDA_VISIBLE_DEVICES). `local_gpus` (a list of GpuReading) replaces
+    the NVML reading, for tests. --gpus counts every GPU of the job; without it, this
+    node's GPUs times --nodes."""
+    from duoka.monitor.metrics import peak_flops
+
+    need_local = gpus is None or gpu_memory_gib is None
+    local = local_gpus if local_gpus is not None else (_local_gpus() if need_local else [])
+    detected = []
+    if gpus is None:
+        if not local:
+            raise DuokaError("--gpus was not given and this machine has no GPU NVML can see, so there is nothing "
+                             "to detect",
+                             "describe the machines you will train on: --gpus N --gpu-memory GiB (e.g. --gpus 8 "
+                             "--gpu-memory 80 for one node of H100 80GB)")
+        gpus = len(local) * nodes
+        detected.append("gpus")
+    if gpu_memory_gib is None:
+        if not local:
+            raise DuokaError("--gpu-memory was not given and this machine has no GPU NVML can see, so there is "
+                             "nothing to detect",
+                             "pass the memory of one GPU in GiB: --gpu-memory 80 (H100 80GB), 141 (H200), 24 "
+                             "(RTX 4090)")
+        gpu_memory_gib = round(min(g.memory_total_mib for g in local) / 1024, 1)
+        detected.append("gpu_memory")
+    name = local[0].name if local else ""
+    if interconnect is None:
+        if local_gpus is None and local:
+            interconnect = "nvlink" if _nvlink_active() else "pcie"
+            detected.append("interconnect")
+        else:
+            interconnect = "nvlink"  # assumed: the usual data-centre node (stated in the output)
+    return Hardware(gpus, nodes, float(gpu_memory_gib), interconnect, name,
+                    peak_flops(name) or DEFAULT_PEAK_FLOPS, _hbm_bandwidth(name), tuple(detected))
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    label: str  # what the output calls it
+    args: ModelArgs
+    config: dict  # the [model] section of the emitted TOML: {"flavor": ...} or {"path": ...}
+
+
+def resolve_model(ref: str) -> ModelChoice:
+    """A flavor name ("qwen2-7b", or "7b" for short) or a Hugging Face folder / hub id."""
+    key = ref.lower()
+    if key not in FLAVORS and f"qwen2-{key}" in FLAVORS:
+        key = f"qwen2-{key}"
+    if key in FLAVORS:
+        return ModelChoice(key, FLAVORS[key], {"flavor": key})
+    path = Path(ref).expanduser()
+    if not path.exists() and "/" not in ref:
+        raise DuokaError(f"--model {ref} is neither a flavor nor a model folder",
+                         f"use a flavor ({', '.join(FLAVORS)}) or a Hugging Face folder / hub id")
+    from duoka.hub import resolve_model_dir
+
+    folder = resolve_model_dir(ref)
+    config = folder / "config.json"
+    if not config.is_file():
+        raise DuokaError(f"{folder} has no config.json", "pass a Hugging Face model folder")
+    try:
+        cfg = json.loads(config.read_text())
+    except json.JSONDecodeError as e:
+        raise DuokaError(f"{config} is not valid JSON ({e})", "restore the file from the original checkpoint") from None
+    return ModelChoice(str(ref), from_hf_config(cfg, source=str(config)), {"path": str(ref)})
+
+
+# ---------------------------------------------------------------- layouts
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def family(layout: Layout) -> str:
+    if layout.pp > 1:
+        return "pp"
+    if layout.tp > 1:
+        return "tp"
+    if layout.dp_mode == "fsdp":
+        return "hsdp" if layout.dp_replicate > 1 else "fsdp"
+    return "ddp" if layout.dp_replicate > 1 else "single"
+
+
+def simplicity(layout: Layout) -> tuple:
+    """Sort key, simplest first: ddp > fsdp > hsdp > tp > pp, then smaller degrees."""
+    dp = {"ddp": 0, "fsdp": 1}[layout.dp_mode] + (1 if layout.dp_mode == "fsdp" and layout.dp_replicate > 1 else 0)
+    return (layout.pp > 1, layout.tp > 1, dp, layout.tp, layout.pp, layout.stages_per_rank)
+
+
+def enumerate_layouts(args: ModelArgs, gpus: int, gpus_per_node: int) -> list[Layout]:
+    """Every layout of `gpus` GPUs the trainer runs and the model's shape allows: tp from
+    1/2/4/8 dividing the attention and KV heads, within one node; pp dividing the GPUs
+    with at least one layer per stage (1F1B, and interleaved with 2 stages per rank);
+    the remaining ranks data-parallel as ddp, fsdp, or hsdp (every replicas x shards
+    split)."""
+    out = []
+    for tp in TP_SIZES:
+        if gpus % tp or args.n_heads % tp or args.n_kv_heads % tp or tp > gpus_per_node:
+            continue
+        for pp in _divisors(gpus // tp):
+            if pp > args.n_layers:
+                continue
+            d = gpus // (tp * pp)
+            if pp > 1:
+                schedules = [("1f1b", 1)] + ([("interleaved_1f1b", 2)] if 2 * pp <= args.n_layers else [])
+            else:
+                schedules = [("1f1b", 1)]
+            for sched, v in schedules:
+                dps = [Layout("ddp", d, 1, tp, pp, sched, v)]
+                if d > 1:
+                    dps.append(Layout("fsdp", 1, d, tp, pp, sched, v))
+                    dps += [Layout("fsdp", r, d // r, tp, pp, sched, v) for r in _divisors(d) if 1 < r < d]
+                out += dps
+    return out
+
+
+def crosses_nodes(layout: Layout, dim: str, gpus_per_node: int) -> bool:
+    """Whether a process group of mesh dimension `dim` spans nodes. The mesh is
+    pp x dp_replicate x dp_shard x tp with tp innermost (neighbouring ranks), as the
+    trainer builds it."""
+    order = ("pp", "dp_replicate", "dp_shard", "tp")
+    sizes = {"pp": layout.pp, "dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard, "tp": layout.tp}
+    stride = math.prod(sizes[d] for d in order[order.index(dim) + 1:])
+    return sizes[dim] > 1 and stride * sizes[dim] > gpus_per_node
+
+
+# ---------------------------------------------------------------- step time
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float  # the slowest rank's matmuls and attention, bubble included
+    tensor_parallel_s: float  # tp collectives (inside compute's pipeline term too)
+    fsdp_overhead_s: float
+    data_parallel_s: float  # all of the dp traffic
+    exposed_dp_s: float  # the part of it not hidden under compute
+    pipeline_bubble: float  # fraction of the pipelined time spent idle
+    pipeline_p2p_s: float
+    optimizer_s: float
+    total_s: float
+    tokens_per_s_per_gpu: float
+    mfu: float
+
+    def to_dict(self) -> dict:
+        return {k: (round(v, 5) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+def _stage_flops(args: ModelArgs, layout: Layout, seq_len: int, ac: bool) -> tuple[float, float]:
+    """(training FLOPs per token of the busiest pipeline rank, of the whole model)."""
+    _, _, block_mm = block_params(args)
+    layer = 6 * block_mm + 12 * args.n_heads * args.resolved_head_dim * seq_len
+    head = 6 * args.vocab_size * args.dim
+    layer_ac = layer * (AC_RECOMPUTE if ac else 1.0)
+    n_stages = layout.pp * layout.stages_per_rank
+    counts = stage_layer_counts(args.n_layers, n_stages)
+    busiest = 0.0
+    for rank in range(layout.pp):
+        stages = range(rank, n_stages, layout.pp)
+        flops = sum(counts[s] for s in stages) * layer_ac + (head if n_stages - 1 in stages else 0.0)
+        busiest = max(busiest, flops)
+    return busiest, args.n_layers * layer + head
+
+
+def estimate_step_time(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, global_batch: int,
+                       ac: bool, hw: Hardware) -> StepTime:
+    """Seconds per optimizer step on one GPU, by the cost model in the module docstring."""
+    tp, pp, v = layout.tp, layout.pp, layout.stages_per_rank
+    per_rank = global_batch // layout.dp_size
+    m = per_rank // micro_batch  # micro-batches per step (the pipeline's under pp)
+    tokens_mb = micro_batch * seq_len
+
+    busiest, model_flops = _stage_flops(args, layout, seq_len, ac)
+    elements = tokens_mb * args.dim / tp
+    efficiency = GEMM_EFFICIENCY * elements / (elements + HALF_SPEED_ELEMENTS)
+    compute_mb = tokens_mb * busiest / tp / (hw.peak_flops * efficiency)
+
+    # Layers this rank runs per micro-batch (for per-layer costs).
+    counts = stage_layer_counts(args.n_layers, pp * v)
+    rank_layers = max(sum(counts[s] for s in range(r, pp * v, pp)) for r in range(pp))
+    tp_mb = 0.0
+    if tp > 1:
+        per_collective = 2 * tokens_mb * args.dim * (tp - 1) / tp / hw.bandwidth(False) + COLLECTIVE_LATENCY_S
+        tp_mb = (rank_layers * (12 if ac else 8) + 4) * per_collective
+    fsdp_mb = FSDP_UNIT_S * 2 * (rank_layers + 1) if layout.fsdp else 0.0
+    rank_mb = compute_mb + tp_mb + fsdp_mb
+    pipelined = rank_mb * (m + (pp - 1) / v)
+    bubble = ((pp - 1) / v) / (m + (pp - 1) / v) if pp > 1 else 0.0
+
+    # Parameters this rank holds after tp/pp (the largest pipeline rank), before dp sharding.
+    p_block, p_block_tp, _ = block_params(args)
+    block_local = p_block_tp / tp + (p_block - p_block_tp)
+    vocab_rows = args.vocab_size * args.dim / tp
+    local = rank_layers * block_local + (2 * vocab_rows if pp == 1 and not args.tie_word_embeddings else vocab_rows)
+
+    dp_s, units = 0.0, rank_layers + 1
+    if layout.ddp_wrapper:
+        d = layout.dp_replicate
+        dp_s = 2 * (d - 1) / d * 4 * local / hw.bandwidth(crosses_nodes(layout, "dp_replicate", hw.gpus_per_node))
+        units = max(1, math.ceil(4 * local / DDP_BUCKET_BYTES))
+    elif layout.fsdp:
+        s, r = layout.dp_shard, layout.dp_replicate
+        shard_bw = hw.bandwidth(crosses_nodes(layout, "dp_shard", hw.gpus_per_node))
+        if s > 1:
+            # Under pp the trainer keeps stages gathered across micro-batches: one gather.
+            gathers = 1 if pp > 1 else m * (2 if layout.reshard_after_forward else 1)
+            dp_s += (gathers * 2 * local + 4 * local) * (s - 1) / s / shard_bw
+        if r > 1:
+            rep_bw = hw.bandwidth(crosses_nodes(layout, "dp_replicate", hw.gpus_per_node))
+            dp_s += 2 * (r - 1) / r * 4 * local / s / rep_bw
+    exposed = dp_s / units + max(0.0, dp_s * (1 - 1 / units) - pipelined)
+
+    p2p = 0.0
+    if pp > 1:
+        p2p = m * v * 2 * (2 * tokens_mb * args.dim) / hw.bandwidth(crosses_nodes(layout, "pp", hw.gpus_per_node))
+    shard = layout.dp_shard if layout.fsdp else 1
+    optimizer = OPTIMIZER_BYTES_PER_PARAM * local / shard / hw.hbm_bytes_per_s
+    total = pipelined + exposed + p2p + optimizer
+    tokens = global_batch * seq_len
+    mfu = (model_flops * tokens / total) / (hw.gpus * hw.peak_flops)
+    return StepTime(compute_s=compute_mb * (m + (pp - 1) / v), tensor_parallel_s=tp_mb * m,
+                    fsdp_overhead_s=fsdp_mb * m, data_parallel_s=dp_s, exposed_dp_s=exposed,
+                    pipeline_bubble=bubble, pipeline_p2p_s=p2p, optimizer_s=optimizer, total_s=total,
+                    tokens_per_s_per_gpu=tokens / total / hw.gpus, mfu=mfu)
+
+
+# ---------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    micro_batch: int
+    activation_checkpointing: bool
+    accumulation: int  # micro-batches per step per rank (pipeline micro-batches under pp)
+    memory: MemoryBreakdown
+    time: StepTime
+    fits: bool
+
+    @property
+    def family(self) -> str:
+        return family(self.layout)
+
+    def describe(self) -> str:
+        ac = ", checkpointing" if self.activation_checkpointing else ""
+        return f"{self.layout.describe()}, micro-batch {self.micro_batch}{ac}"
+
+    def to_dict(self, relative_to: float | None = None) -> dict:
+        lay = self.layout
+        d = {"layout": lay.describe(), "family": self.family,
+             "parallel": {"dp_mode": lay.dp_mode, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
+                          "tp": lay.tp, "pp": lay.pp, "pp_schedule": lay.pp_schedule,
+                          "pp_stages_per_rank": lay.stages_per_rank},
+             "micro_batch": self.micro_batch, "accumulation": self.accumulation,
+             "activation_checkpointing": self.activation_checkpointing, "fits": self.fits,
+             "peak_allocated_gib": round(self.memory.allocated / GIB, 2),
+             "reserved_gib": round(self.memory.reserved / GIB, 2), "memory": self.memory.to_dict(),
+             "step_time": self.time.to_dict()}
+        if relative_to:
+            d["relative_step_time"] = round(self.time.total_s / relative_to, 3)
+        return d
+
+
+@dataclass
+class Plan:
+    model: ModelChoice
+    hardware: Hardware
+    seq_len: int
+    global_batch: int
+    ranked: list[Candidate]  # the best variant of each fitting layout; [0] is the recommendation
+    rejected: list[Candidate]  # the smallest-memory variant of each layout that does not fit
+    why: str
+    considered: int  # (layout, micro-batch, checkpointing) combinations estimated
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Candidate:
+        return self.ranked[0]
+
+    @property
+    def fastest_s(self) -> float:
+        return min(c.time.total_s for c in self.ranked)
+
+    def config_toml(self) -> str:
+        return plan_toml(self)
+
+    def to_dict(self) -> dict:
+        hw = self.hardware
+        return {
+            "model": self.model.label, "parameters": self.model.args.num_params(),
+            "hardware": {"gpus": hw.gpus, "nodes": hw.nodes, "gpus_per_node": hw.gpus_per_node,
+                         "gpu_memory_gib": hw.gpu_memory_gib, "interconnect": hw.interconnect,
+                         "gpu_name": hw.gpu_name, "peak_tflops": hw.peak_flops / 1e12, "detected": list(hw.detected),
+                         "usable_gib": round(hw.usable_bytes / GIB, 2)},
+            "seq_len": self.seq_len, "global_batch": self.global_batch, "considered": self.considered,
+            "why": self.why, "notes": self.notes,
+            "ranked": [c.to_dict(self.fastest_s) for c in self.ranked],
+            "rejected": [c.to_dict() for c in self.rejected],
+            "config_toml": self.config_toml(),
+        }
+
+
+def _micro_batches(per_rank: int) -> list[int]:
+    return [1 << k for k in range(per_rank.bit_length()) if per_rank % (1 << k) == 0]
+
+
+def evaluate(args: ModelArgs, hw: Hardware, seq_len: int, global_batch: int,
+             layouts: list[Layout] | None = None) -> list[Candidate]:
+    """Every (layout, micro-batch, checkpointing) combination the batch arithmetic allows,
+    with its memory and step time."""
+    out = []
+    for layout in layouts if layouts is not None else enumerate_layouts(args, hw.gpus, hw.gpus_per_node):
+        if global_batch % layout.dp_size:
+            continue
+        per_rank = global_batch // layout.dp_size
+        for mb in _micro_batches(per_rank):
+            m = per_rank // mb
+            if layout.pp > 1 and (m < layout.pp or (layout.stages_per_rank > 1 and m % layout.pp)):
+                continue  # the schedules want at least pp micro-batches (interleaved: a multiple)
+            for ac in (False, True):
+                mem = estimate_memory(args, layout, mb, seq_len, ac, m)
+                time = estimate_step_time(args, layout, mb, seq_len, global_batch, ac, hw)
+                out.append(Candidate(layout, mb, ac, m, mem, time, mem.reserved <= hw.usable_bytes))
+    return out
+
+
+def _best_per_layout(candidates: list[Candidate], key) -> list[Candidate]:
+    best: dict[Layout, Candidate] = {}
+    for c in candidates:
+        if c.layout not in best or key(c) < key(best[c.layout]):
+            best[c.layout] = c
+    return list(best.values())
+
+
+def rank(candidates: list[Candidate]) -> list[Candidate]:
+    """Fitting layouts, best variant each, ordered: the simplest within TIE of the fastest
+    first, then the others by step time."""
+    fitting = _best_per_layout([c for c in candidates if c.fits],
+                               key=lambda c: (c.time.total_s, c.activation_checkpointing, -c.micro_batch))
+    if not fitting:
+        return []
+    fastest = min(c.time.total_s for c in fitting)
+    ties = [c for c in fitting if c.time.total_s <= fastest * (1 + TIE)]
+    first = min(ties, key=lambda c: (simplicity(c.layout), c.time.total_s))
+    rest = sorted((c for c in fitting if c is not first), key=lambda c: (c.time.total_s, simplicity(c.layout)))
+    return [first] + rest
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.1f}"
+
+
+def explain(ranked: list[Candidate], rejected: list[Candidate], hw: Hardware) -> str:
+    """One line: why the first layout is first."""
+    first = ranked[0]
+    fastest = min(ranked, key=lambda c: c.time.total_s)
+    usable = hw.usable_bytes
+    tail = (f"est. {_gib(first.memory.allocated)} GiB allocated per GPU ({_gib(first.memory.reserved)} reserved of "
+            f"{_gib(usable)} usable).")
+    if hw.gpus == 1:
+        fast = max((c for c in ranked), key=lambda c: c.time.tokens_per_s_per_gpu)
+        ac = " with activation checkpointing (nothing fits without it)" if first.activation_checkpointing else ""
+        return (f"one GPU, no parallelism needed: micro-batch {first.micro_batch}{ac} is the fastest that fits; "
+                + tail) if fast is first else f"{first.describe()}; " + tail
+    reasons = []
+    for fam in FAMILY_ORDER[:FAMILY_ORDER.index(first.family)]:
+        if fam == "single" and hw.gpus > 1:
+            continue
+        fits = [c for c in ranked if c.family == fam]
+        misses = [c for c in rejected if c.family == fam]
+        if fits:
+            c = min(fits, key=lambda c: c.time.total_s)
+            reasons.append(f"{c.layout.describe()} is {c.time.total_s / first.time.total_s - 1:.0%} slower")
+        elif misses:
+            c = min(misses, key=lambda c: c.memory.reserved)
+            reasons.append(f"{c.layout.describe()} does not fit ({_gib(c.memory.reserved)} GiB at micro-batch "
+                           f"{c.micro_batch}{' with checkpointing' if c.activation_checkpointing else ''} > "
+                           f"{_gib(usable)} usable)")
+    if first is fastest:
+        lead = f"fastest of the {len(ranked)} layouts that fit"
+        others = [c for c in ranked[1:]]
+        if others:
+            lead += f" (next: {others[0].layout.describe()}, {others[0].time.total_s / first.time.total_s - 1:.0%} slower)"
+    else:
+        lead = (f"within {first.time.total_s / fastest.time.total_s - 1:.0%} of the fastest "
+                f"({fastest.describe()}) and simpler")
+    detail = []
+    if first.activation_checkpointing:
+        plain = [c for c in rejected + ranked if c.layout == first.layout and not c.activation_checkpointing]
+        detail.append("checkpointing because nothing without it fits" if not any(
+            c.fits for c in plain) else "checkpointing for a larger micro-batch")
+    text = f"{first.describe()}: {lead}"
+    if reasons:
+        text += "; " + "; ".join(reasons)
+    if detail:
+        text += "; " + "; ".join(detail)
+    return text + "; " + tail
+
+
+def make_plan(model: ModelChoice, hw: Hardware, seq_len: int = 2048, global_batch: int | None = None) -> Plan:
+    """The ranked plan; a DuokaError naming the smallest GPU count that works when nothing
+    fits (or the batch arithmetic when no layout divides the batch)."""
+    args = model.args
+    if seq_len < 1:
+        raise DuokaError(f"--seq {seq_len} must be >= 1")
+    notes = []
+    if seq_len > args.max_seq_len:
+        notes.append(f"seq {seq_len} exceeds the model's {args.max_seq_len} trained positions")
+    asked_batch = global_batch is not None
+    if global_batch is None:
+        global_batch = 8 * hw.gpus
+        notes.append(f"global batch {global_batch} (8 sequences per GPU; set --global-batch)")
+    if global_batch < 1:
+        raise DuokaError(f"--global-batch {global_batch} must be >= 1")
+    if "interconnect" not in hw.detected and hw.interconnect == "nvlink":
+        notes.append("interconnect assumed nvlink (set --interconnect pcie for GPUs without NVLink)")
+    if hw.nodes > 1:
+        notes.append(f"across nodes: {INTER_NODE_BYTES_PER_S / 1e9:.0f} GB/s per GPU (InfiniBand/RoCE)")
+    layouts = enumerate_layouts(args, hw.gpus, hw.gpus_per_node)
+    candidates = evaluate(args, hw, seq_len, global_batch, layouts)
+    if not candidates:
+        sizes = sorted({lay.dp_size for lay in layouts})
+        raise DuokaError(f"--global-batch {global_batch} splits over none of the data-parallel sizes the layouts of "
+                         f"{hw.gpus} GPUs have ({', '.join(map(str, sizes))})",
+                         f"use a multiple of {hw.gpus}, e.g. --global-batch {hw.gpus * max(1, global_batch // hw.gpus)}")
+    ranked = rank(candidates)
+    rejected = _best_per_layout([c for c in candidates if not c.fits], key=lambda c: c.memory.reserved)
+    rejected = [c for c in rejected if c.layout not in {r.layout for r in ranked}]
+    if not ranked:
+        raise _does_not_fit(model, hw, seq_len, candidates, max(1, global_batch // hw.gpus) if asked_batch else 1)
+    return Plan(model, hw, seq_len, global_batch, ranked, sorted(rejected, key=lambda c: simplicity(c.layout)),
+                explain(ranked, rejected, hw), len(candidates), notes)
+
+
+def minimum_gpus(args: ModelArgs, hw: Hardware, seq_len: int, per_gpu_batch: int = 1
+                 ) -> tuple[int, int, Hardware, Candidate] | None:
+    """(GPUs, global batch, the hardware, the best candidate there) for the fewest GPUs of
+    this memory size on which some layout fits, with per_gpu_batch sequences per GPU (1, the
+    least memory, unless the user asked for a batch). Searches whole nodes of the same
+    size (nodes of 8 for a machine with fewer GPUs); None when even MAX_GPUS_SEARCHED do
+    not do."""
+    node = hw.gpus_per_node if hw.gpus_per_node >= 8 else 8
+    floor = math.ceil(state_bytes(args) / hw.usable_bytes)  # the state alone, spread perfectly
+    counts = [n for n in (2, 4) if n < node] + list(range(node, MAX_GPUS_SEARCHED + 1, node))
+    for n in counts:
+        if n <= hw.gpus or n < floor:
+            continue
+        trial = replace(hw, gpus=n, nodes=max(1, n // node), detected=())
+        batch = n * per_gpu_batch
+        fitting = [c for c in evaluate(args, trial, seq_len, batch) if c.fits]
+        if fitting:
+            return n, batch, trial, rank(fitting)[0]
+    return None
+
+
+def _does_not_fit(model: ModelChoice, hw: Hardware, seq_len: int, candidates: list[Candidate],
+                  per_gpu_batch: int) -> DuokaError:
+    args = model.args
+    smallest = min(candidates, key=lambda c: c.memory.reserved)
+    state = state_bytes(args)
+    cause = (f"{model.label} ({args.num_params() / 1e9:.1f}B parameters) does not fit on {hw.gpus} x "
+             f"{hw.gpu_memory_gib:g} GiB in any layout: the smallest estimate is {_gib(smallest.memory.reserved)} GiB "
+             f"per GPU ({smallest.describe()}) against {_gib(hw.usable_bytes)} GiB usable; weights, gradients and "
+             f"AdamW state alone are {args.num_params() / 1e9:.1f}B x 16 bytes = {state / 1e12:.2f} TB "
+             f"({state / GIB:.0f} GiB) over all GPUs")
+    found = minimum_gpus(args, hw, seq_len, per_gpu_batch)
+    if found is None:
+        fix = (f"no layout fits even on {MAX_GPUS_SEARCHED} GPUs of {hw.gpu_memory_gib:g} GiB at seq {seq_len} "
+               f"with {per_gpu_batch} sequence(s) per GPU: use a shorter --seq or GPUs with more memory")
+    else:
+        n, batch, trial, c = found
+        nodes = f" ({trial.nodes} nodes of {trial.gpus_per_node})" if trial.nodes > 1 else ""
+        fix = (f"use at least {n} GPUs of {hw.gpu_memory_gib:g} GiB{nodes}: there {c.describe()} needs "
+               f"{_gib(c.memory.reserved)} GiB per GPU at global batch {batch} (duoka plan --model {model.label} "
+               f"--gpus {n}{f' --nodes {trial.nodes}' if trial.nodes > 1 else ''} --gpu-memory "
+               f"{hw.gpu_memory_gib:g} --seq {seq_len} --global-batch {batch}); or GPUs with more memory")
+    return DuokaError(cause, fix)
+
+
+# ---------------------------------------------------------------- output
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def plan_toml(plan: Plan) -> str:
+    """The recommendation as a config for `duoka train` (the names of duoka.config)."""
+    c, hw = plan.best, plan.hardware
+    lay = c.layout
+    launch = f"--nproc-per-node {hw.gpus_per_node}"
+    if hw.nodes > 1:
+        launch += f" --nnodes {hw.nodes} --node-rank R --rdzv-endpoint HOST:PORT"
+    lines = [f"# duoka plan: {plan.model.label} on {hw.describe()}, seq {plan.seq_len}, "
+             f"global batch {plan.global_batch}",
+             f"# {c.describe()}; accumulation {c.accumulation}",
+             f"# estimated peak per GPU: {_gib(c.memory.allocated)} GiB allocated, {_gib(c.memory.reserved)} GiB "
+             f"reserved, of {hw.gpu_memory_gib:g} GiB",
+             f"# duoka train THIS.toml {launch}", ""]
+    sections: dict[str, dict] = {"model": dict(plan.model.config)}
+    if "flavor" in plan.model.config and plan.model.config["flavor"] != "debug":
+        lines[-1:-1] = ["# A flavor trains from scratch, here on random tokens: set data.path to your corpus",
+                        "# and model.tokenizer to a Qwen2 tokenizer folder, or model.path to a checkpoint."]
+        sections["data"] = {"path": "random"}
+    sections["training"] = {"seq_len": plan.seq_len, "global_batch_size": plan.global_batch,
+                            "micro_batch_size": c.micro_batch,
+                            "activation_checkpointing": "full" if c.activation_checkpointing else "none",
+                            "dtype": "bf16"}
+    par = {"dp_mode": lay.dp_mode, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp,
+           "pp": lay.pp}
+    if lay.pp > 1:
+        par.update(pp_schedule=lay.pp_schedule, pp_stages_per_rank=lay.stages_per_rank, pp_layers="even",
+                   pp_microbatches=c.accumulation)
+    sections["parallel"] = par
+    for name, values in sections.items():
+        lines.append(f"[{name}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def render(plan: Plan, console, top: int = 10) -> None:
+    """The plan as rich tables: ranked layouts, the first one's memory, why, the config."""
+    from rich.table import Table
+
+    hw, best = plan.hardware, plan.best
+    args = plan.model.args
+    detected = f" (detected: {', '.join(plan.hardware.detected)})" if hw.detected else ""
+    console.print(f"[bold]{plan.model.label}[/] ({args.num_params() / 1e9:.2f}B parameters) on {hw.describe()}"
+                  f"{detected}; seq {plan.seq_len}, global batch {plan.global_batch}; {plan.considered} "
+                  f"combinations estimated, {len(plan.ranked)} layouts fit in {_gib(hw.usable_bytes)} GiB usable")
+    table = Table(title="layouts that fit, best first", title_justify="left")
+    for col, kw in (("#", {"justify": "right"}), ("layout", {}), ("micro-batch", {"justify": "right"}),
+                    ("accum.", {"justify": "right"}), ("AC", {}), ("peak GiB/GPU", {"justify": "right"}),
+                    ("reserved", {"justify": "right"}), ("rel. step time", {"justify": "right"}),
+                    ("est. tok/s/GPU", {"justify": "right"})):
+        table.add_column(col, **kw)
+    fastest = plan.fastest_s
+    for i, c in enumerate(plan.ranked[:top], 1):
+        style = "bold green" if i == 1 else None
+        table.add_row(str(i), c.layout.describe(), str(c.micro_batch), str(c.accumulation),
+                      "full" if c.activation_checkpointing else "-", _gib(c.memory.allocated), _gib(c.memory.reserved),
+                      f"{c.time.total_s / fastest:.2f}", f"{c.time.tokens_per_s_per_gpu:,.0f}", style=style)
+    console.print(table)
+    if len(plan.ranked) > top:
+        console.print(f"  ... and {len(plan.ranked) - top} more (--json lists all)")
+
+    mem = Table(title=f"memory per GPU of #1 (peak at: {best.memory.phase}"
+                      f"{f', pipeline rank {best.memory.pp_rank}' if best.layout.pp > 1 else ''})",
+                title_justify="left")
+    mem.add_column("part")
+    mem.add_column("GiB", justify="right")
+    labels = {"parameters": "fp32 weights", "gradients": "fp32 gradients", "optimizer": "AdamW moments (fp32)",
+              "gathered_parameters": "bf16 weights (gathered / cast)", "activations": "activations",
+              "logits": "logits + cross-entropy", "communication": "communication buffers"}
+    for key, value in best.memory.parts().items():
+        mem.add_row(labels[key], _gib(value))
+    mem.add_row("[bold]peak allocated[/] (torch max_memory_allocated)", f"[bold]{_gib(best.memory.allocated)}[/]")
+    mem.add_row("reserved (+ fragmentation, CUDA context, NCCL)", _gib(best.memory.reserved))
+    console.print(mem)
+    console.print(f"[bold]why first:[/] {plan.why}")
+    for note in plan.notes:
+        console.print(f"[dim]note: {note}[/]")
+    console.print("[bold]config[/] (write it with --out FILE):")
+    console.print(plan.config_toml(), markup=False, highlight=False, soft_wrap=True)
