@@ -279,9 +279,7 @@ def _run_workers(spec, nproc_per_node: int, nnodes: int, node_rank: int, rdzv_en
         rdzv_backend="c10d", rdzv_endpoint=endpoint,
         rdzv_configs={"is_host": node_rank == 0, "join_timeout": 600} if nnodes > 1 else {"is_host": True},
         max_restarts=0, monitor_interval=0.5, start_method="spawn",
-        # On SIGTERM (preemption) the agent forwards it to the workers, which finish their
-        # step and save a checkpoint; give them time before the agent's SIGKILL.
-        shutdown_timeout=int(os.environ.get("DUOKA_SHUTDOWN_TIMEOUT", "600")),
+        **_shutdown_timeout(),
     )
     _quiet_agent_logs()
     try:
@@ -293,6 +291,19 @@ def _run_workers(spec, nproc_per_node: int, nnodes: int, node_rank: int, rdzv_en
     except ChildFailedError:
         _raise_worker_error(spec.run_dir)
         raise
+
+
+def _shutdown_timeout() -> dict:
+    """On SIGTERM (preemption) the agent forwards it to the workers, which finish their step
+    and save a checkpoint; give them time before the agent's SIGKILL. LaunchConfig takes
+    the grace period in recent torch (2.13 here); older ones (2.11) keep their default."""
+    import dataclasses
+
+    from torch.distributed.launcher.api import LaunchConfig
+
+    if "shutdown_timeout" not in {f.name for f in dataclasses.fields(LaunchConfig)}:
+        return {}
+    return {"shutdown_timeout": int(os.environ.get("DUOKA_SHUTDOWN_TIMEOUT", "600"))}
 
 
 def _quiet_agent_logs() -> None:
