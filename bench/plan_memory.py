@@ -45,8 +45,8 @@ def measure(point: str) -> dict:
     flavor, layout_name, mb, seq, ac, acc = point.split(":")
     mb, seq, acc, ac = int(mb), int(seq), int(acc), ac == "full"
     args = get_flavor(flavor)
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    rank = int(os.environ.get("LOCAL_RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     if layout_name != "single":
@@ -122,7 +122,7 @@ def main() -> None:
         if len(a.point) != 1:
             p.error("under torchrun give one --point per run")
         result = measure(a.point[0])
-        if int(os.environ.get("RANK", 0)) == 0:
+        if int(os.environ.get("RANK", "0")) == 0:
             print("RESULT " + json.dumps(result), flush=True)
         return
     results = []
@@ -130,7 +130,7 @@ def main() -> None:
         t = time.perf_counter()
         # A fresh process per point: no allocator or NCCL state carries over.
         proc = subprocess.run([sys.executable, __file__, "--one", "--point", point], capture_output=True, text=True,
-                              env=os.environ.copy())
+                              env=os.environ.copy(), check=False)
         lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if proc.returncode or not lines:
             tail = (proc.stderr or proc.stdout)[-1500:]

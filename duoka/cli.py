@@ -204,7 +204,8 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (default 1)")
     p.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
                    help="memory of one GPU in GiB (default: read from this machine's GPUs)")
-    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence (default 2048)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048, or the model's "
+                   "context when shorter)")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (default 8 per GPU)")
     p.add_argument("--interconnect", choices=("nvlink", "pcie", "ib"), default=None,
                    help="link between the GPUs of one node (default: detected, else nvlink); ib: none but the NIC")

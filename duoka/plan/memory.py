@@ -33,8 +33,9 @@ matrices of width I instead of two of 4h), and the RMSNorm keeps an fp32 copy. T
 sequence-parallel result carries over: under tp every saved tensor is divided by tp except
 the all-gathered inputs of the column-parallel projections.
 
-Checked against peaks measured on H200 (tests/unit/test_planner.py lists the points and
-their sources): within 3% on all of them.
+Checked against 23 peaks measured on H200 (0.5B to 7B, one and two GPUs, DDP, FSDP2, tp
+and pp, with and without checkpointing and accumulation): all within 2%
+(bench/results/plan_memory.md; tests/unit/test_planner.py keeps them).
 """
 
 from __future__ import annotations
@@ -64,6 +65,12 @@ WEIGHT_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
 # NLL backward (4, dense) and the gradient of the logits it produces (4). The bf16 logits
 # and their fp32 copy are already freed then (the trainer drops them before backward).
 LOSS_BYTES_PER_LOGIT = 12
+# Under tp the loss runs on vocabulary-sharded DTensor logits (loss_parallel), whose
+# log-softmax backward materialises exp(log-probabilities) as well: 4 more.
+LOSS_PARALLEL_EXTRA_BYTES = 4
+# A pipeline schedule keeps each micro-batch's stage output, here the bf16 logits, until
+# that micro-batch's backward.
+PIPELINE_LOGITS_BYTES = 2
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
@@ -311,19 +318,25 @@ class MemoryBreakdown:
 
 
 def estimate_memory(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, activation_checkpointing: bool,
-                    accumulation: int = 1, bf16: bool = True) -> MemoryBreakdown:
+                    accumulation: int = 1, bf16: bool = True, pp_rank: int | None = None) -> MemoryBreakdown:
     """Peak memory per GPU of one training step.
 
     accumulation: micro-batches per optimizer step on each rank (under pp, the pipeline's
     micro-batches). It matters: while gradients accumulate, DDP holds them all, and FSDP2
     with gradient sync off (the trainer's no-sync accumulation, and the pipeline schedules')
-    keeps them unsharded in fp32."""
+    keeps them unsharded in fp32. pp_rank: the pipeline rank to estimate; None: the one
+    with the largest peak."""
     if micro_batch < 1 or seq_len < 1 or accumulation < 1:
         raise DuokaError("micro_batch, seq_len and accumulation must be >= 1")
     regime = regime_of(layout, bf16)
+    if pp_rank is not None:
+        if not 0 <= pp_rank < layout.pp:
+            raise DuokaError(f"pp_rank={pp_rank} is not a pipeline rank of pp={layout.pp}")
+        return _rank_memory(args, layout, pp_rank, micro_batch, seq_len, activation_checkpointing, accumulation,
+                            regime)
     best = None
-    for pp_rank in range(layout.pp):
-        b = _rank_memory(args, layout, pp_rank, micro_batch, seq_len, activation_checkpointing, accumulation, regime)
+    for r in range(layout.pp):
+        b = _rank_memory(args, layout, r, micro_batch, seq_len, activation_checkpointing, accumulation, regime)
         if best is None or b.allocated > best.allocated:
             best = b
     return best
@@ -341,7 +354,7 @@ def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int
 
     # Parameters this rank holds, after tp (before data-parallel sharding).
     p_block, p_block_tp, p_block_mm = block_params(args)
-    block_local = (p_block_tp / tp + (p_block - p_block_tp))
+    block_local = p_block_tp / tp + (p_block - p_block_tp)
     vocab_rows = args.vocab_size * args.dim / tp
     root = 0.0  # FSDP's root unit: embedding, final norm, output head
     if has_embedding:
@@ -355,6 +368,7 @@ def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int
 
     shard = layout.dp_shard if layout.fsdp else 1
     accumulating = accumulation > 1
+    low = 4 if regime == "fp32" else 2  # bytes of a compute-dtype weight or gradient
     saved = saved_per_token(args, regime, tp)
     flight = in_flight(layout, pp_rank, accumulation)  # stage-forwards held
     layers_per_forward = layers / v
@@ -369,24 +383,24 @@ def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int
         if pp > 1 or not layout.reshard_after_forward:
             # The trainer keeps a stage's weights gathered between forward and backward
             # under pp (torchtitan's choice); reshard_after_forward=false does it anyway.
-            gathered = 2 * local
+            gathered = low * local
         else:
             # The root stays gathered from forward to backward (reshard_after_forward=False
             # on it); one block gathered for compute and the next prefetched.
-            gathered = 2 * root + 2 * 2 * block_local
+            gathered = low * root + 2 * low * block_local
         grads_end = GRAD_BYTES * (local - root) / shard
         # The root's reduce-scatter comes last: the fp32 input buffer, and either the bf16
         # gradients being copied in (fp32 accumulated ones while accumulating) or the output.
-        root_grads = (GRAD_BYTES if accumulating else 2) * root
+        root_grads = (GRAD_BYTES if accumulating else low) * root
         comm_end = GRAD_BYTES * root + max(root_grads, GRAD_BYTES * root / shard)
         # A block's backward: its bf16 gradients and their fp32 reduce-scatter buffer.
-        comm_block = (2 + GRAD_BYTES) * block_local
+        comm_block = (low + GRAD_BYTES) * block_local
         recompute_casts = 0.0
         gathered_end = 0.0  # resharded before reducing
         buckets = 0.0
         # Gradients that exist during the blocks' backward without accumulation: the
         # output head's, in bf16 (reduced with the root's at the very end).
-        head_grads = 2 * vocab_rows if has_head and not accumulating else 0.0
+        head_grads = low * vocab_rows if has_head and not accumulating else 0.0
     else:
         grads_live = GRAD_BYTES * local if accumulating else 0.0
         grads_end = GRAD_BYTES * local
@@ -407,7 +421,9 @@ def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int
     per_layer = saved.block_input if ac else saved.block
     held = flight * layers_per_forward * per_layer * tokens
     final_norm = saved.final_norm * tokens if has_head else 0.0
-    logits = LOSS_BYTES_PER_LOGIT * args.vocab_size / tp * tokens if has_head else 0.0
+    loss_bytes = (LOSS_BYTES_PER_LOGIT + (LOSS_PARALLEL_EXTRA_BYTES if tp > 1 else 0)
+                  + (PIPELINE_LOGITS_BYTES if pp > 1 else 0))
+    logits = loss_bytes * args.vocab_size / tp * tokens if has_head else 0.0
     recompute = (saved.block if ac else 0.0) * tokens
     transient = saved.backward_transient * tokens
     # Pipeline receive buffers: one bf16 activation from the previous stage and one
@@ -415,14 +431,25 @@ def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int
     p2p = 2 * 2 * args.dim * tokens * v if pp > 1 else 0.0
 
     persistent = parameters + optimizer
-    loss_moment = dict(gradients=grads_live, gathered_parameters=gathered, activations=held + final_norm,
-                       logits=logits, communication=buckets + p2p)
-    block_moment = dict(gradients=grads_live + head_grads, gathered_parameters=gathered + recompute_casts,
-                        activations=held + recompute + transient, logits=0.0,
-                        communication=buckets + p2p + comm_block)
-    end_moment = dict(gradients=grads_end, gathered_parameters=gathered_end, activations=0.0, logits=0.0,
-                      communication=buckets + comm_end)
-    moments = {"loss backward": loss_moment, "block backward": block_moment, "end of backward": end_moment}
+    moments = {}
+    if accumulating and flight >= accumulation:
+        # A pipeline rank that runs every micro-batch's forward before its first backward
+        # (GPipe; 1F1B with m <= pp - rank) peaks before any gradient exists; its next
+        # backward has gradients and one forward's activations fewer.
+        grads_first, later = 0.0, {"gradients": grads_live + head_grads, "gathered_parameters": gathered,
+                                   "activations": held * (flight - 1) / flight + final_norm, "logits": logits,
+                                   "communication": buckets + p2p}
+        moments["later backward"] = later
+    else:
+        grads_first = grads_live
+    moments["loss backward"] = {"gradients": grads_first, "gathered_parameters": gathered,
+                                "activations": held + final_norm, "logits": logits, "communication": buckets + p2p}
+    moments["block backward"] = {"gradients": grads_first + head_grads,
+                                 "gathered_parameters": gathered + recompute_casts,
+                                 "activations": held + recompute + transient, "logits": 0.0,
+                                 "communication": buckets + p2p + comm_block}
+    moments["end of backward"] = {"gradients": grads_end, "gathered_parameters": gathered_end, "activations": 0.0,
+                                  "logits": 0.0, "communication": buckets + comm_end}
     totals = {name: persistent + sum(parts.values()) for name, parts in moments.items()}
     phase = max(totals, key=totals.get)
     return MemoryBreakdown(parameters=float(parameters), optimizer=float(optimizer),
@@ -435,12 +462,15 @@ def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int
 
 def training_bytes(args: ModelArgs, micro_batch: int, seq_len: int, dp_shard: int, activation_checkpointing: bool,
                    bf16: bool = True, *, tp: int = 1, pp: int = 1, dp_mode: str | None = None, dp_replicate: int = 1,
-                   accumulation: int = 1, pp_schedule: str = "1f1b") -> int:
+                   accumulation: int = 1, pp_schedule: str = "1f1b", pp_stages_per_rank: int | None = None) -> int:
     """Estimated peak allocated bytes per GPU (see estimate_memory). dp_mode defaults to
-    fsdp when dp_shard > 1 and to ddp otherwise."""
+    fsdp when dp_shard > 1 and to ddp otherwise; pp_stages_per_rank to 2 for the
+    interleaved schedules."""
     mode = dp_mode or ("fsdp" if dp_shard > 1 else "ddp")
+    if pp_stages_per_rank is None:
+        pp_stages_per_rank = 2 if pp_schedule in ("interleaved_1f1b", "zero_bubble") else 1
     layout = Layout(mode, dp_replicate, dp_shard if mode == "fsdp" else 1, tp, pp, pp_schedule,
-                    2 if pp > 1 and pp_schedule in ("interleaved_1f1b", "zero_bubble") else 1)
+                    pp_stages_per_rank if pp > 1 else 1)
     return int(estimate_memory(args, layout, micro_batch, seq_len, activation_checkpointing, accumulation,
                                bf16).allocated)
 

@@ -17,8 +17,9 @@ absolute figure assumes a well-fed GPU and is no benchmark):
   (micro-batch x seq x dim/tp elements per projection; half speed at HALF_SPEED_ELEMENTS);
 - tensor parallel: with sequence parallelism, each block does 2 all-gathers and 2
   reduce-scatters of the full activation forward and again backward (Korthikanti et al.
-  2022, arXiv:2205.05198, section 4.2.2), 3 more under checkpointing; on the critical
-  path, not overlapped; tp stays inside a node;
+  2022, arXiv:2205.05198, section 4.2.2), 4 more under checkpointing; on the critical
+  path, not overlapped; tp stays inside a node. Plus TP_BLOCK_OVERHEAD_S per block and
+  micro-batch, measured: eager DTensor is far slower than its traffic;
 - data parallel: DDP all-reduces fp32 gradients once per step (2·(n-1)/n of their bytes);
   FSDP all-gathers bf16 weights per micro-batch (forward, and backward again when
   resharding after forward) and reduce-scatters fp32 gradients once per step; HSDP adds
@@ -51,7 +52,6 @@ from duoka.plan.memory import (
     MemoryBreakdown,
     block_params,
     estimate_memory,
-    in_flight,
     stage_layer_counts,
     state_bytes,
 )
@@ -72,6 +72,11 @@ DEFAULT_HBM_BYTES_PER_S = 3.35e12
 GEMM_EFFICIENCY = 0.5  # fraction of the bf16 peak a step reaches on large matmuls (7B FSDP2: 43-50% MFU)
 HALF_SPEED_ELEMENTS = 2**20  # micro-batch x seq x dim/tp at which that efficiency halves
 FSDP_UNIT_S = 0.5e-3  # per FSDP unit per forward or backward pass (0.5-0.66 ms measured)
+# Eager DTensor tensor parallelism costs far more than its collectives: 10.7 ms (7B, micro-
+# batch 2) and 14.4 ms (1.5B, micro-batch 4) per block per micro-batch beyond this model's
+# compute + communication, measured with tp 2 on 2 x H200 (bench/results/model_parallel.json:
+# 2.1x and 3.8x the estimate without it). Per-op dispatch on the host, redistributions.
+TP_BLOCK_OVERHEAD_S = 12e-3
 DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
 OPTIMIZER_BYTES_PER_PARAM = 32  # fused AdamW: read w, g, m, v (16), write w, m, v (12), grad norm (4)
 AC_RECOMPUTE = 4 / 3  # full checkpointing runs each block's forward (1/3 of its FLOPs) again
@@ -80,6 +85,7 @@ AC_RECOMPUTE = 4 / 3  # full checkpointing runs each block's forward (1/3 of its
 USABLE_FRACTION = 0.9  # a plan's reserved estimate must stay under this share of GPU memory
 TIE = 0.03  # step times within 3% of the fastest count as a tie: the simplest layout wins
 MAX_GPUS_SEARCHED = 4096
+DEFAULT_SEQ = 2048
 TP_SIZES = (1, 2, 4, 8)
 FAMILY_ORDER = ("single", "ddp", "fsdp", "hsdp", "tp", "pp")
 
@@ -141,9 +147,11 @@ def _nvlink_active() -> bool:
     """Whether GPU 0 has an active NVLink (NVML); False where it cannot be read."""
     try:
         import pynvml
-
+    except ImportError:
+        return False
+    try:
         pynvml.nvmlInit()
-    except Exception:
+    except pynvml.NVMLError:
         return False
     try:
         handle = pynvml.nvmlDeviceGetHandleByIndex(0)
@@ -349,6 +357,7 @@ def estimate_step_time(args: ModelArgs, layout: Layout, micro_batch: int, seq_le
     if tp > 1:
         per_collective = 2 * tokens_mb * args.dim * (tp - 1) / tp / hw.bandwidth(False) + COLLECTIVE_LATENCY_S
         tp_mb = (rank_layers * (12 if ac else 8) + 4) * per_collective
+        tp_mb += rank_layers * TP_BLOCK_OVERHEAD_S * (AC_RECOMPUTE if ac else 1.0)
     fsdp_mb = FSDP_UNIT_S * 2 * (rank_layers + 1) if layout.fsdp else 0.0
     rank_mb = compute_mb + tp_mb + fsdp_mb
     pipelined = rank_mb * (m + (pp - 1) / v)
@@ -517,6 +526,10 @@ def _gib(x: float) -> str:
     return f"{x / GIB:.1f}"
 
 
+def _slower(ratio: float) -> str:
+    return f"{ratio:.1f}x slower" if ratio >= 2 else f"{ratio - 1:.0%} slower"
+
+
 def explain(ranked: list[Candidate], rejected: list[Candidate], hw: Hardware) -> str:
     """One line: why the first layout is first."""
     first = ranked[0]
@@ -537,7 +550,7 @@ def explain(ranked: list[Candidate], rejected: list[Candidate], hw: Hardware) ->
         misses = [c for c in rejected if c.family == fam]
         if fits:
             c = min(fits, key=lambda c: c.time.total_s)
-            reasons.append(f"{c.layout.describe()} is {c.time.total_s / first.time.total_s - 1:.0%} slower")
+            reasons.append(f"{c.layout.describe()} is {_slower(c.time.total_s / first.time.total_s)}")
         elif misses:
             c = min(misses, key=lambda c: c.memory.reserved)
             reasons.append(f"{c.layout.describe()} does not fit ({_gib(c.memory.reserved)} GiB at micro-batch "
@@ -545,9 +558,8 @@ def explain(ranked: list[Candidate], rejected: list[Candidate], hw: Hardware) ->
                            f"{_gib(usable)} usable)")
     if first is fastest:
         lead = f"fastest of the {len(ranked)} layouts that fit"
-        others = [c for c in ranked[1:]]
-        if others:
-            lead += f" (next: {others[0].layout.describe()}, {others[0].time.total_s / first.time.total_s - 1:.0%} slower)"
+        if len(ranked) > 1 and not any(r.startswith(ranked[1].layout.describe() + " ") for r in reasons):
+            lead += f" (next: {ranked[1].layout.describe()}, {_slower(ranked[1].time.total_s / first.time.total_s)})"
     else:
         lead = (f"within {first.time.total_s / fastest.time.total_s - 1:.0%} of the fastest "
                 f"({fastest.describe()}) and simpler")
@@ -564,15 +576,22 @@ def explain(ranked: list[Candidate], rejected: list[Candidate], hw: Hardware) ->
     return text + "; " + tail
 
 
-def make_plan(model: ModelChoice, hw: Hardware, seq_len: int = 2048, global_batch: int | None = None) -> Plan:
+def make_plan(model: ModelChoice, hw: Hardware, seq_len: int | None = None,
+              global_batch: int | None = None) -> Plan:
     """The ranked plan; a DuokaError naming the smallest GPU count that works when nothing
-    fits (or the batch arithmetic when no layout divides the batch)."""
+    fits (or the batch arithmetic when no layout divides the batch). seq_len defaults to
+    2048, or the model's context when shorter."""
     args = model.args
+    notes = []
+    if seq_len is None:
+        seq_len = min(DEFAULT_SEQ, args.max_seq_len)
+        if seq_len != DEFAULT_SEQ:
+            notes.append(f"seq {seq_len}, the model's context (set --seq)")
     if seq_len < 1:
         raise DuokaError(f"--seq {seq_len} must be >= 1")
-    notes = []
-    if seq_len > args.max_seq_len:
-        notes.append(f"seq {seq_len} exceeds the model's {args.max_seq_len} trained positions")
+    if seq_len > args.max_seq_len:  # the trainer refuses it too
+        raise DuokaError(f"--seq {seq_len} exceeds the model's {args.max_seq_len} positions",
+                         f"use --seq {args.max_seq_len} or less")
     asked_batch = global_batch is not None
     if global_batch is None:
         global_batch = 8 * hw.gpus
@@ -595,6 +614,11 @@ def make_plan(model: ModelChoice, hw: Hardware, seq_len: int = 2048, global_batc
     rejected = [c for c in rejected if c.layout not in {r.layout for r in ranked}]
     if not ranked:
         raise _does_not_fit(model, hw, seq_len, candidates, max(1, global_batch // hw.gpus) if asked_batch else 1)
+    best = ranked[0]
+    if best.layout.fsdp and best.layout.pp == 1 and best.accumulation > 1 and best.layout.dp_shard > 1:
+        notes.append(f"gradient accumulation under fsdp: the trainer skips the reduce-scatter between "
+                     f"micro-batches, so each GPU holds unsharded fp32 gradients ({_gib(best.memory.gradients)} GiB "
+                     "of its peak); a step without accumulation (micro-batch = per-rank batch) does not")
     return Plan(model, hw, seq_len, global_batch, ranked, sorted(rejected, key=lambda c: simplicity(c.layout)),
                 explain(ranked, rejected, hw), len(candidates), notes)
 
@@ -606,7 +630,7 @@ def minimum_gpus(args: ModelArgs, hw: Hardware, seq_len: int, per_gpu_batch: int
     least memory, unless the user asked for a batch). Searches whole nodes of the same
     size (nodes of 8 for a machine with fewer GPUs); None when even MAX_GPUS_SEARCHED do
     not do."""
-    node = hw.gpus_per_node if hw.gpus_per_node >= 8 else 8
+    node = max(hw.gpus_per_node, 8)
     floor = math.ceil(state_bytes(args) / hw.usable_bytes)  # the state alone, spread perfectly
     counts = [n for n in (2, 4) if n < node] + list(range(node, MAX_GPUS_SEARCHED + 1, node))
     for n in counts:
@@ -662,11 +686,11 @@ def plan_toml(plan: Plan) -> str:
     launch = f"--nproc-per-node {hw.gpus_per_node}"
     if hw.nodes > 1:
         launch += f" --nnodes {hw.nodes} --node-rank R --rdzv-endpoint HOST:PORT"
-    lines = [f"# duoka plan: {plan.model.label} on {hw.describe()}, seq {plan.seq_len}, "
-             f"global batch {plan.global_batch}",
+    lines = [(f"# duoka plan: {plan.model.label} on {hw.describe()}, seq {plan.seq_len}, "
+              f"global batch {plan.global_batch}"),
              f"# {c.describe()}; accumulation {c.accumulation}",
-             f"# estimated peak per GPU: {_gib(c.memory.allocated)} GiB allocated, {_gib(c.memory.reserved)} GiB "
-             f"reserved, of {hw.gpu_memory_gib:g} GiB",
+             (f"# estimated peak per GPU: {_gib(c.memory.allocated)} GiB allocated, {_gib(c.memory.reserved)} GiB "
+              f"reserved, of {hw.gpu_memory_gib:g} GiB"),
              f"# duoka train THIS.toml {launch}", ""]
     sections: dict[str, dict] = {"model": dict(plan.model.config)}
     if "flavor" in plan.model.config and plan.model.config["flavor"] != "debug":
