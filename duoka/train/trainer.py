@@ -42,8 +42,6 @@ from duoka.models.qwen2.args import ModelArgs
 from duoka.models.qwen2.hf_adapter import load_hf_weights, save_hf_state_dict
 from duoka.models.qwen2.model import build_model
 from duoka.models.qwen2.parallelize import parallelize_qwen2, unwrap
-from duoka.models.qwen2.pipeline import (ModelParts, TiedEmbeddingSync, build_schedule, build_stage_model,
-                                         layer_counts, stage_ids)
 from duoka.monitor.metrics import MetricsFile, mfu, peak_flops
 from duoka.parallel.dims import ParallelDims
 from duoka.plan.memory import largest_fitting_micro_batch
@@ -214,9 +212,13 @@ class Trainer:
         self._fill(model)
         return parallelize_qwen2(model, self.dims, self.mesh, cfg, self.compute_dtype)
 
-    def _build_pipeline(self) -> ModelParts:
+    def _build_pipeline(self):
         """This rank's pipeline stages, each parallelized like a whole model (TP, AC,
-        compile, FSDP2 over the data-parallel mesh), then allocated and filled."""
+        compile, FSDP2 over the data-parallel mesh), then allocated and filled; returned
+        as one ModelParts for the optimizer and checkpoints."""
+        # Imported here: torch.distributed.pipelining pulls in torch._dynamo (0.8 s a process).
+        from duoka.models.qwen2.pipeline import ModelParts, TiedEmbeddingSync, build_stage_model, layer_counts, stage_ids
+
         cfg, dims = self.cfg, self.dims
         n_stages = dims.pp * cfg.parallel.pp_stages_per_rank
         self.stage_counts = layer_counts(self.args, n_stages, cfg.parallel.pp_layers, cfg.training.seq_len)
@@ -240,6 +242,8 @@ class Trainer:
         return ModelParts(parts)
 
     def _build_schedule(self) -> None:
+        from duoka.models.qwen2.pipeline import build_schedule
+
         cfg = self.cfg
         n_micro = cfg.parallel.pp_microbatches or self.batch.accumulation
         if self.batch.per_rank % n_micro:
@@ -271,10 +275,12 @@ class Trainer:
         if self.device.type != "cuda":
             return per_rank  # host memory is rarely the limit for the models a CPU can train
         free, _ = torch.cuda.mem_get_info(self.device)
-        shard = self.dims.dp_shard * self.dims.tp * self.dims.pp if self.dims.fsdp else 1
-        mb = largest_fitting_micro_batch(self.args, per_rank, self.cfg.training.seq_len, shard,
+        par, dims = self.cfg.parallel, self.dims
+        mb = largest_fitting_micro_batch(self.args, per_rank, self.cfg.training.seq_len, dims.dp_shard,
                                          self.cfg.training.activation_checkpointing == "full",
-                                         free + torch.cuda.memory_allocated(self.device))
+                                         free + torch.cuda.memory_allocated(self.device),
+                                         tp=dims.tp, pp=dims.pp, dp_mode=par.dp_mode, dp_replicate=dims.dp_replicate,
+                                         pp_schedule=par.pp_schedule, pp_stages_per_rank=par.pp_stages_per_rank)
         # Ranks may see different free memory (another process on one GPU): agree on the smallest.
         t = torch.tensor([mb], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)

@@ -52,11 +52,11 @@ def test_resume_is_exact_and_reshards(tmp_path):
     wa, wb = final_weights(straight), final_weights(same)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
-    # The same 4-step checkpoint resumed on 1 process (DDP) and on 4 (HSDP 2x2): DCP
-    # reshards; reduction orders differ, so equal to rounding rather than bit for bit.
+    # The same 4-step checkpoint resumed on 1 process: DCP reshards; reduction orders
+    # differ, so equal to rounding rather than bit for bit. (Resuming on more processes
+    # and under tp/pp: tests/distributed/test_model_parallel.py.)
     ckpt = same / "checkpoints" / "step-4"
-    for name, layout in [("one", ["--nproc-per-node=1"]),
-                         ("four", ["--nproc-per-node=4", "--parallel.dp_mode=fsdp", "--parallel.dp_replicate=2"])]:
+    for name, layout in [("one", ["--nproc-per-node=1"])]:
         run = tmp_path / name
         duoka("train", f"--job.output_dir={run}", "--training.steps=8", f"--checkpoint.resume={ckpt}", *layout, *COMMON)
         got = records(run)

@@ -43,17 +43,17 @@ def test_tensor_parallel_matches_one_process(reference, tp2_run):
     assert_same_run(tp2_run, reference)
 
 
+# Each schedule runs with pp=2: gpipe and 1f1b alone, zero bubble next to data
+# parallelism, interleaved 1F1B in the 8-process dp x tp x pp mesh.
 @pytest.mark.parametrize("layout", [
     ["--nproc-per-node=2", *PP, "--parallel.pp_schedule=gpipe"],
     ["--nproc-per-node=2", *PP, "--parallel.pp_schedule=1f1b", "--parallel.pp_layers=1,3"],
-    ["--nproc-per-node=2", *PP, "--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_stages_per_rank=2"],
-    ["--nproc-per-node=2", *PP, "--parallel.pp_schedule=zero_bubble", "--parallel.pp_stages_per_rank=2"],
     ["--nproc-per-node=4", "--parallel.dp_mode=fsdp", "--parallel.tp=2"],
-    ["--nproc-per-node=4", "--parallel.dp_mode=ddp", *PP],
+    ["--nproc-per-node=4", "--parallel.dp_mode=ddp", *PP, "--parallel.pp_schedule=zero_bubble",
+     "--parallel.pp_stages_per_rank=2"],
     ["--nproc-per-node=8", "--parallel.dp_mode=fsdp", "--parallel.tp=2", *PP,
      "--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_stages_per_rank=2"],
-], ids=["pp2-gpipe", "pp2-1f1b-uneven", "pp2-interleaved", "pp2-zero-bubble", "fsdp2xtp2", "dp2xpp2",
-        "fsdp2xtp2xpp2"])
+], ids=["pp2-gpipe", "pp2-1f1b-uneven", "fsdp2xtp2", "dp2xpp2-zero-bubble", "fsdp2xtp2xpp2-interleaved"])
 def test_model_parallel_layout_matches_one_process(reference, tmp_path, layout):
     train(tmp_path / "run", *layout)
     assert_same_run(tmp_path / "run", reference)
@@ -82,7 +82,7 @@ def test_checkpoint_from_fsdp_resumes_under_tensor_and_pipeline_parallel(referen
     """The pipeline's last stage holds its own copy of the tied embedding: it must find
     its weight and optimizer state under the single model's names."""
     first = tmp_path / "first"
-    train(first, "--checkpoint.interval=3", *FSDP2)
+    train(first, "--checkpoint.interval=3", "--nproc-per-node=1", "--parallel.dp_mode=fsdp")
     resume_matches(reference, tmp_path, first, ["--nproc-per-node=4", "--parallel.tp=2", *PP])
 
 

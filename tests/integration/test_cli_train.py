@@ -63,7 +63,7 @@ def test_config_errors_before_any_worker_starts(tmp_path):
     out = f"--job.output_dir={tmp_path / 'x'}"
     assert_user_error(duoka("train", out, "--training.stpes=3"), "training.stpes", "training.steps")
     assert_user_error(duoka("train", out, "--nproc-per-node=2", "--parallel.dp_mode=fsdp",
-                            "--parallel.dp_replicate=3"), "dp_replicate=3 does not divide the world size 2")
+                            "--parallel.dp_replicate=3"), "dp_replicate=3 does not divide the 2 data-parallel ranks")
     assert_user_error(duoka("train", out, "--nproc-per-node=2", "--training.global_batch_size=5"),
                       "5 / 2 = 2.5")
     assert_user_error(duoka("train", out, "--training.micro_batch_size=3"), "16 / 1 ranks = 16")
