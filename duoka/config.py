@@ -128,7 +128,9 @@ class ParallelConfig:
                            choices=("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"))
     pp_stages_per_rank: int = opt(1, "Virtual pipeline stages per rank (interleaved schedules).", min=1)
     pp_layers: str = opt("even", "How layers split over the pp x pp_stages_per_rank stages: even (the first and last "
-                                 "stage count the embedding and the output head as one layer each), or an explicit "
+                                 "stage count the embedding and the output head as one layer each), flops (balanced "
+                                 "by each piece's training FLOPs), measured (balanced by the forward + backward time "
+                                 "of a block and of the head, timed on the GPUs at start), or an explicit "
                                  "comma-separated list of layer counts per stage, e.g. \"6,8,8,6\".")
     pp_microbatches: int = opt(0, "Micro-batches per pipeline step; 0: the per-rank batch / micro_batch_size.", min=0)
 

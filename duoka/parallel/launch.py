@@ -136,7 +136,7 @@ def launch_training(
     args, model_dir, tokenizer_dir = resolve_model(cfg)
     dims = ParallelDims.from_config(cfg.parallel, world)
     dims.check_model(args.n_heads, args.n_kv_heads, args.n_layers, cfg.parallel.pp_stages_per_rank)
-    if dims.pp > 1:
+    if dims.pp > 1 and cfg.parallel.pp_layers != "measured":
         from duoka.models.qwen2.pipeline import layer_counts
 
         layer_counts(args, dims.pp * cfg.parallel.pp_stages_per_rank, cfg.parallel.pp_layers, cfg.training.seq_len)

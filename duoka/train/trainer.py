@@ -221,7 +221,10 @@ class Trainer:
 
         cfg, dims = self.cfg, self.dims
         n_stages = dims.pp * cfg.parallel.pp_stages_per_rank
-        self.stage_counts = layer_counts(self.args, n_stages, cfg.parallel.pp_layers, cfg.training.seq_len)
+        if cfg.parallel.pp_layers == "measured":
+            self.stage_counts = self._measured_stage_counts(n_stages)
+        else:
+            self.stage_counts = layer_counts(self.args, n_stages, cfg.parallel.pp_layers, cfg.training.seq_len)
         self.stage_ids = stage_ids(self.coords["pp"], dims.pp, cfg.parallel.pp_stages_per_rank)
         parts = []
         for sid in self.stage_ids:
@@ -240,6 +243,23 @@ class Trainer:
             pairs = [(int(a), int(b)) for a, b in zip(ranks[0], ranks[-1])]
             self.tied_sync = TiedEmbeddingSync(pairs, self.rank)
         return ModelParts(parts)
+
+    def _measured_stage_counts(self, n_stages: int) -> list[int]:
+        """pp_layers=measured: time a block and the head on this GPU, take every rank's
+        slowest figures (a stage runs at its slowest rank's pace), balance the stages."""
+        from duoka.models.qwen2.pipeline import balanced_counts, measure_stage_costs
+
+        mb = self.cfg.training.micro_batch_size
+        mb = 1 if mb == "auto" else mb  # the ratio of the two costs barely depends on it
+        costs = torch.tensor(measure_stage_costs(self.args, mb, self.cfg.training.seq_len, self.device,
+                                                 self.compute_dtype), device=self.device)
+        dist.all_reduce(costs, op=dist.ReduceOp.MAX)
+        layer, head = costs.tolist()
+        counts = balanced_counts(self.args.n_layers, n_stages, layer, head)
+        if self.rank == 0:
+            _Console().out.print(f"pipeline stages by measured cost: a block {layer * 1e3:.1f} ms, the head "
+                                 f"{head * 1e3:.1f} ms (forward + backward) -> layers {counts}")
+        return counts
 
     def _build_schedule(self) -> None:
         from duoka.models.qwen2.pipeline import build_schedule

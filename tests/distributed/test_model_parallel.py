@@ -43,10 +43,11 @@ def test_tensor_parallel_matches_one_process(reference, tp2_run):
     assert_same_run(tp2_run, reference)
 
 
-# Each schedule runs with pp=2: gpipe and 1f1b alone, zero bubble next to data
-# parallelism, interleaved 1F1B in the 8-process dp x tp x pp mesh.
+# Each schedule runs with pp=2: gpipe (layers split by measured cost) and 1f1b (an
+# explicit uneven split) alone, zero bubble next to data parallelism, interleaved 1F1B in
+# the 8-process dp x tp x pp mesh.
 @pytest.mark.parametrize("layout", [
-    ["--nproc-per-node=2", *PP, "--parallel.pp_schedule=gpipe"],
+    ["--nproc-per-node=2", *PP, "--parallel.pp_schedule=gpipe", "--parallel.pp_layers=measured"],
     ["--nproc-per-node=2", *PP, "--parallel.pp_schedule=1f1b", "--parallel.pp_layers=1,3"],
     ["--nproc-per-node=4", "--parallel.dp_mode=fsdp", "--parallel.tp=2"],
     ["--nproc-per-node=4", "--parallel.dp_mode=ddp", *PP, "--parallel.pp_schedule=zero_bubble",

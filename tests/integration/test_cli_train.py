@@ -96,7 +96,8 @@ def test_worker_errors_come_back_as_one_message(tmp_path):
     save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
     proc = duoka("train", f"--job.output_dir={tmp_path / 'run'}", f"--model.path={model}", "--nproc-per-node=2",
                  "--training.steps=2")
-    assert_user_error(proc, "training stopped on rank(s) 0, 1", "model.norm.weight: checkpoint [7], model [192]")
+    # Both ranks fail alike; whichever reports first stops the job, so the ranks named vary.
+    assert_user_error(proc, "training stopped on rank(s) ", "model.norm.weight: checkpoint [7], model [192]")
 
 
 def test_start_from_a_hugging_face_folder(tmp_path):

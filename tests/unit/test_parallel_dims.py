@@ -67,3 +67,16 @@ def test_stage_models_keep_names_and_the_tied_weight():
     assert not last.takes_tokens and last.output.weight is last.tok_embeddings.weight
     middle = build_stage_model(args, 1, [1, 2, 1])
     assert middle.tok_embeddings is None and middle.output is None
+
+
+def test_measured_split_balances_the_timed_costs():
+    import torch
+
+    from duoka.models.qwen2.pipeline import balanced_counts, measure_stage_costs
+
+    layer, head = measure_stage_costs(FLAVORS["debug"], 2, 32, torch.device("cpu"), torch.float32, repeats=2)
+    assert layer > 0 and head > 0
+    # A head worth 3 layers: the last of 2 stages takes 3 of 10 layers (7 | 3 + head).
+    assert balanced_counts(10, 2, 1.0, 3.0) == [7, 3]  # largest stage 7 either way; ties favour the head's
+    assert balanced_counts(12, 3, 1.0, 0.0) == [4, 4, 4]
+    assert sum(balanced_counts(24, 4, 1.0, 9.0)) == 24

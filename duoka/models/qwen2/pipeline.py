@@ -36,14 +36,13 @@ MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
 
 
 def layer_counts(args: ModelArgs, n_stages: int, spec: str, seq_len: int = 2048) -> list[int]:
-    """Decoder layers per stage.
+    """Decoder layers per stage (for pp_layers=measured see measure_stage_costs).
 
     even: the n_layers + 2 units (the embedding and the output head counted as one layer
       each, torchtitan's convention) spread evenly, extra layers to the middle stages.
     flops: balanced by training FLOPs per token (PaLM's 6N + 12·L·H·S split by piece): a
       layer costs 6·(its matmul weights) + 12·H·S, the output head 6·vocab·dim, which for
-      small models is worth many layers (Qwen2-0.5B at seq 2048: about 8). The last stage
-      takes the number of layers that minimises the largest stage's cost.
+      small models is worth many layers (Qwen2-0.5B at seq 2048: about 8).
     "a,b,c": explicit counts, one per stage, summing to n_layers."""
     n = args.n_layers
     if spec == "even":
@@ -58,25 +57,69 @@ def layer_counts(args: ModelArgs, n_stages: int, spec: str, seq_len: int = 2048)
     if spec == "flops":
         head = 6 * args.vocab_size * args.dim
         layer = (6 * args.matmul_params() - head) / n + 12 * args.n_heads * args.resolved_head_dim * seq_len
-        if n_stages == 1:
-            return [n]
-
-        def largest_stage(last: int) -> float:
-            rest = n - last
-            return max(-(-rest // (n_stages - 1)) * layer, last * layer + head)
-
-        last = min(range(n + 1), key=largest_stage)
-        base, extra = divmod(n - last, n_stages - 1)
-        return [base + (1 if i >= n_stages - 1 - extra else 0) for i in range(n_stages - 1)] + [last]
+        return balanced_counts(n, n_stages, layer, head)
+    if spec == "measured":
+        raise ValueError("pp_layers=measured is resolved by the trainer (measure_stage_costs), not here")
     try:
         counts = [int(x) for x in spec.split(",")]
     except ValueError:
         counts = []
     if len(counts) != n_stages or sum(counts) != n or min(counts, default=-1) < 0:
-        raise DuokaError(f"parallel.pp_layers={spec!r} must be `even`, `flops` or {n_stages} comma-separated layer "
+        raise DuokaError(f"parallel.pp_layers={spec!r} must be `even`, `flops`, `measured` or {n_stages} "
+                         "comma-separated layer "
                          f"counts summing to the model's {n} layers",
                          f"e.g. --parallel.pp_layers={','.join(map(str, layer_counts(args, n_stages, 'even')))}")
     return counts
+
+
+def balanced_counts(n_layers: int, n_stages: int, layer_cost: float, head_cost: float) -> list[int]:
+    """Contiguous split of equal-cost layers with the output head on the last stage that
+    minimises the largest stage's cost: the last stage takes the best number of layers,
+    the others share the rest evenly (extra layers to the later ones)."""
+    if n_stages == 1:
+        return [n_layers]
+
+    def largest_stage(last: int) -> float:
+        return max(-(-(n_layers - last) // (n_stages - 1)) * layer_cost, last * layer_cost + head_cost)
+
+    last = min(range(n_layers + 1), key=largest_stage)
+    base, extra = divmod(n_layers - last, n_stages - 1)
+    return [base + (1 if i >= n_stages - 1 - extra else 0) for i in range(n_stages - 1)] + [last]
+
+
+def measure_stage_costs(args: ModelArgs, micro_batch: int, seq_len: int, device: torch.device,
+                        dtype: torch.dtype, repeats: int = 5) -> tuple[float, float]:
+    """Seconds for the forward and backward of one decoder block and of the output head
+    with its cross-entropy, measured on this device at the training micro-batch: what
+    pp_layers=measured balances. Random weights; the median of `repeats` after a warm-up."""
+    import time
+
+    import torch.nn.functional as F
+
+    from duoka.models.qwen2.model import TransformerBlock, rope_cos_sin
+
+    block = TransformerBlock(args).to(device=device, dtype=dtype)
+    head = torch.nn.Linear(args.dim, args.vocab_size, bias=False).to(device=device, dtype=dtype)
+    x = torch.randn(micro_batch, seq_len, args.dim, device=device, dtype=dtype, requires_grad=True)
+    cos, sin = rope_cos_sin(torch.arange(seq_len, device=device), args.resolved_head_dim, args.rope_theta, dtype)
+    labels = torch.randint(0, args.vocab_size, (micro_batch * seq_len,), device=device)
+
+    def timed(fn) -> float:
+        samples = []
+        for i in range(repeats + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i:  # the first call warms up kernels and allocator
+                samples.append(time.perf_counter() - t)
+        return sorted(samples)[len(samples) // 2]
+
+    layer = timed(lambda: block(x, cos, sin).sum().backward())
+    head_s = timed(lambda: F.cross_entropy(head(x).float().flatten(0, 1), labels).backward())
+    return layer, head_s
 
 
 def _fix_negative(counts: list[int]) -> list[int]:
