@@ -238,6 +238,44 @@ def run_plan(a: argparse.Namespace) -> int:
     return 0
 
 
+def add_bench_parser(sub) -> None:
+    p = sub.add_parser("bench", help="training throughput, MFU, memory and step breakdown (optionally vs the peer)",
+                       description="Runs duoka train on random tokens for warm-up + timed steps on the visible "
+                                   "GPUs and reports tokens/s/GPU, MFU, peak memory and the step-time breakdown.")
+    p.add_argument("--model", default="qwen2-0.5b", help="flavor (qwen2-0.5b, qwen2-1.5b, qwen2-7b, ...)")
+    p.add_argument("--layout", default="ddp", help="parts joined by +: ddp | fsdp | hsdpR | tpN | ppN | ac | compile")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--global-batch", type=int, default=None, help="default: micro-batch x data-parallel ranks")
+    p.add_argument("--nproc-per-node", type=int, default=None, help="default: one per visible GPU")
+    p.add_argument("--vs-peer", action="store_true", help="also run the transformers peer in this call")
+    p.add_argument("--peer", default=None, help="peer script (default ../shared/peer/hf_qwen2_baseline.py)")
+    p.add_argument("--timeout", type=int, default=1200, help="seconds per run")
+    p.add_argument("--out", default=None, help="write the JSON result here")
+    p.set_defaults(func=run_bench)
+
+
+def run_bench(a: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+
+    from duoka.bench import DEFAULT_PEER, bench, render
+
+    result = bench(a.model, a.layout, a.seq, a.micro_batch, a.steps, a.warmup, a.global_batch, a.vs_peer,
+                   Path(a.peer) if a.peer else DEFAULT_PEER, a.nproc_per_node, a.timeout)
+    render(result, Console(stderr=True))
+    text = json.dumps(result, indent=1)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+        log(f"duoka: wrote {a.out}")
+    else:
+        print(text)
+    return 0
+
+
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     """Take `--section.key=value` / `--section.key value` out before argparse sees them
     (a dotted flag name is an override; its section is checked by the config)."""
@@ -268,6 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_prepare_parser(sub)
     add_export_parser(sub)
     add_plan_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

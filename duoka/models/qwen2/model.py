@@ -296,8 +296,11 @@ class Qwen2(nn.Module):
         cache: KVCache | None = None,
         document_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tokens: [batch, seq] -> logits [batch, seq, vocab] in the compute dtype.
+        """tokens: [batch, seq] -> logits [batch, seq, vocab] in the compute dtype, or with
+        labels [batch, seq] the summed fp32 cross-entropy, computed chunk by chunk with the
+        output head so the logits are never materialised (duoka.train.loss).
 
         positions: [seq] or [batch, seq]; defaults to 0..seq-1. With a cache, positions
         are where the tokens go in the cache (a [seq] tensor), and every query attends to
@@ -319,6 +322,10 @@ class Qwen2(nn.Module):
             h = layer(h, cos, sin, cache, name, positions, mask)
         if self.norm is not None:
             h = self.norm(h)
+        if labels is not None:
+            from duoka.train.loss import chunked_cross_entropy
+
+            return chunked_cross_entropy(h, self.output.weight, labels)
         return self.output(h) if self.output is not None else h
 
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> KVCache:

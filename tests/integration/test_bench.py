@@ -1,0 +1,64 @@
+"""`duoka bench`: the real training run, summarised; the peer side against a stand-in
+script (the transformers peer needs a Qwen2 shape too big for a CPU test)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from duoka.bench import layout_overrides, run_peer, summarize
+from duoka.errors import DuokaError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_runs_training_and_reports_the_contract_fields(tmp_path):
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "duoka.cli", "bench", "--model", "debug", "--layout", "fsdp",
+                           "--seq", "64", "--micro-batch", "2", "--steps", "3", "--warmup", "1",
+                           "--nproc-per-node", "2", "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    for field in ("model", "layout", "seq", "micro_batch", "tokens_per_s_per_gpu", "mfu", "peak_mem_gib"):
+        assert field in r
+    assert (r["model"], r["layout"], r["seq"], r["micro_batch"], r["gpus"]) == ("debug", "fsdp", 64, 2, 2)
+    assert r["tokens_per_s_per_gpu"] > 0 and r["mfu"] is None  # no MFU on CPU
+    assert {"forward", "backward", "optimizer", "data", "other"} <= set(r["breakdown_s"])
+    assert r["breakdown_s"]["backward"] > 0
+    assert "tokens/s/GPU" in proc.stderr and "step time (median)" in proc.stderr
+
+
+def test_summary_weighs_steps_by_time_and_skips_warmup():
+    recs = [{"step_time_s": 9.0, "tokens_per_s": 1.0, "mfu": 0.1, "loss": 5.0, "phase_s": {"forward": 9.0}},
+            {"step_time_s": 1.0, "tokens_per_s": 1000.0, "mfu": 0.4, "loss": 4.0, "phase_s": {"forward": 0.5}},
+            {"step_time_s": 3.0, "tokens_per_s": 1000.0, "mfu": 0.2, "loss": 3.0, "phase_s": {"forward": 1.5}}]
+    s = summarize(recs, warmup=1, world=2)
+    assert s["tokens_per_s_per_gpu"] == pytest.approx(4000 / 4 / 2)  # total tokens / total time / GPUs
+    assert s["mfu"] == pytest.approx((0.4 * 1 + 0.2 * 3) / 4)
+    assert s["breakdown_s"] == {"forward": 1.0}  # median of 0.5 and 1.5
+
+
+def test_layout_parts_and_errors():
+    flags, info = layout_overrides("fsdp+tp2+ac")
+    assert info == {"dp_mode": "fsdp", "tp": 2, "pp": 1, "ac": True, "compile": False, "fused": False}
+    assert "--parallel.tp=2" in flags and "--training.activation_checkpointing=full" in flags
+    assert "--parallel.dp_replicate=2" in layout_overrides("hsdp2")[0]
+    with pytest.raises(DuokaError, match="ddp \\| fsdp"):
+        layout_overrides("zero3")
+
+
+def test_peer_side_reads_the_peer_result_line(tmp_path):
+    fake = tmp_path / "peer.py"
+    fake.write_text('import sys, json\nargs = dict(a.split("=", 1) for a in sys.argv[1:] if "=" in a)\n'
+                    'print("RESULT " + json.dumps({"tok_s_gpu": 1000, "mfu_pct": 25.0, "peak_mem_gib": 3.0, '
+                    '"step_s": 0.5, "mode": args["--mode"]}))\n')
+    r = run_peer(fake, "qwen2-0.5b", {"dp_mode": "fsdp", "tp": 1, "pp": 1, "ac": False, "compile": False},
+                 seq=64, micro_batch=2, steps=2, warmup=1, nproc=1, timeout=120)
+    assert r["mode"] == "fsdp2" and r["tokens_per_s_per_gpu"] == 1000 and r["mfu"] == 0.25
+    with pytest.raises(DuokaError, match="no configuration for debug"):
+        run_peer(fake, "debug", {"dp_mode": "ddp", "tp": 1, "pp": 1, "ac": False, "compile": False},
+                 64, 2, 2, 1, 1, 120)

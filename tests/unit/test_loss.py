@@ -1,0 +1,46 @@
+"""The chunked head + cross-entropy equals the plain one, value and gradients."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from duoka.train.loss import IGNORE_INDEX, chunked_cross_entropy
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
+def test_equals_unfused_loss_and_gradients(chunk):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(3, 21, 16, generator=g, dtype=torch.float32, requires_grad=True)
+    weight = torch.randn(50, 16, generator=g, dtype=torch.float32, requires_grad=True)
+    labels = torch.randint(0, 50, (3, 21), generator=g)
+    labels[0, :5] = IGNORE_INDEX  # masked prompt tokens contribute nothing
+    ref = F.cross_entropy((hidden @ weight.T).flatten(0, 1), labels.flatten(), reduction="sum",
+                          ignore_index=IGNORE_INDEX)
+    ref.backward(torch.tensor(0.5))
+    gh, gw = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    out = chunked_cross_entropy(hidden, weight, labels, chunk=chunk)
+    out.backward(torch.tensor(0.5))
+    assert out.dtype == torch.float32
+    assert torch.allclose(out, ref, rtol=1e-6)  # fp32 inside, like the trainer's .float() logits
+    assert torch.allclose(hidden.grad, gh, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(weight.grad, gw, rtol=1e-5, atol=1e-5)
+
+
+def test_model_with_labels_returns_the_loss_of_its_logits():
+    from duoka.models.qwen2.args import FLAVORS
+    from duoka.models.qwen2.model import build_model, materialize
+
+    model = materialize(build_model(FLAVORS["debug"]), "cpu")  # tied embeddings: the head's gradient adds up
+    model.init_weights(seed=0)
+    tokens = torch.randint(0, 4096, (2, 33), generator=torch.Generator().manual_seed(0))
+    labels = torch.roll(tokens, -1, dims=1)
+    plain = F.cross_entropy(model(tokens).float().flatten(0, 1), labels.flatten(), reduction="sum")
+    plain.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    fused = model(tokens, labels=labels)
+    fused.backward()
+    assert torch.allclose(fused, plain, rtol=1e-6)
+    for n, p in model.named_parameters():  # fp32 rounding in another order: relative to each tensor's norm
+        assert (p.grad - ref[n]).norm() <= 1e-5 * ref[n].norm(), n
