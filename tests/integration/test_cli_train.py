@@ -59,18 +59,26 @@ def test_resolved_config_is_reusable(tmp_path):
     assert rerun.returncode == 0, rerun.stderr[-2000:]
 
 
-def test_config_errors_before_any_worker_starts(tmp_path):
+def test_config_errors_before_any_worker_starts(tmp_path, capsys):
     out = f"--job.output_dir={tmp_path / 'x'}"
+    # One through a real process (exit code, no traceback), the rest through the same
+    # entry point in this process (a Python start each would cost 4 s).
     assert_user_error(duoka("train", out, "--training.stpes=3"), "training.stpes", "training.steps")
-    assert_user_error(duoka("train", out, "--nproc-per-node=2", "--parallel.dp_mode=fsdp",
-                            "--parallel.dp_replicate=3"), "dp_replicate=3 does not divide the 2 data-parallel ranks")
-    assert_user_error(duoka("train", out, "--nproc-per-node=2", "--training.global_batch_size=5"),
-                      "5 / 2 = 2.5")
-    assert_user_error(duoka("train", out, "--training.micro_batch_size=3"), "16 / 1 ranks = 16")
-    assert_user_error(duoka("train", out, f"--data.path={tmp_path / 'none.jsonl'}"), "does not exist")
-    assert_user_error(duoka("train", out, "--model.flavor=qwen2-0.5b"), "no tokenizer", "model.tokenizer")
-    assert_user_error(duoka("train", out, "--gpus=0"), "no GPU is visible")
-    assert_user_error(duoka("train", out, "--training.seq_len=4096"), "exceeds the model's 2048 positions")
+    from duoka.cli import main
+
+    for args, phrases in [
+        (["--nproc-per-node=2", "--parallel.dp_mode=fsdp", "--parallel.dp_replicate=3"],
+         ["dp_replicate=3 does not divide the 2 data-parallel ranks"]),
+        (["--nproc-per-node=2", "--training.global_batch_size=5"], ["5 / 2 = 2.5"]),
+        (["--training.micro_batch_size=3"], ["16 / 1 ranks = 16"]),
+        ([f"--data.path={tmp_path / 'none.jsonl'}"], ["does not exist"]),
+        (["--model.flavor=qwen2-0.5b"], ["no tokenizer", "model.tokenizer"]),
+        (["--gpus=0"], ["no GPU is visible"]),
+        (["--training.seq_len=4096"], ["exceeds the model's 2048 positions"]),
+    ]:
+        code = main(["train", out, *args])
+        err = capsys.readouterr().err
+        assert_user_error(subprocess.CompletedProcess(args, code, "", err), *phrases)
     assert not (tmp_path / "x").exists()
 
 
