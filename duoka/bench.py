@@ -31,7 +31,7 @@ DEFAULT_PEER = ROOT.parent / "shared" / "peer" / "hf_qwen2_baseline.py"
 
 def layout_overrides(layout: str) -> tuple[list[str], dict]:
     """`fsdp+tp2+ac+compile` -> config overrides, and what the layout means for the peer.
-    Parts: ddp | fsdp | hsdpR (R replica groups) | tpN | ppN (1F1B) | ac | compile | fused."""
+    Parts: ddp | fsdp | hsdpR (R replica groups) | tpN | ppN (1F1B) | ac | compile | fused | reduce-every."""
     flags, info = [], {"dp_mode": "ddp", "tp": 1, "pp": 1, "ac": False, "compile": False, "fused": False}
     for part in layout.split("+"):
         if part in ("ddp", "fsdp"):
@@ -47,9 +47,12 @@ def layout_overrides(layout: str) -> tuple[list[str], dict]:
             info["compile"] = True
         elif part == "fused":  # the chunked head + cross-entropy (duoka only; the peer has no such switch)
             info["fused"] = True
+        elif part == "reduce-every":  # fsdp accumulation: reduce-scatter every micro-batch (duoka only)
+            flags.append("--parallel.reduce_every_microbatch=true")
         else:
             raise DuokaError(f"--layout part {part!r} is not understood",
-                             "join parts with +: ddp | fsdp | hsdpR | tpN | ppN | ac | compile | fused, "
+                             "join parts with +: ddp | fsdp | hsdpR | tpN | ppN | ac | compile | fused | "
+                             "reduce-every, "
                              "e.g. fsdp+tp2+compile")
     flags += [f"--parallel.dp_mode={info['dp_mode']}", f"--parallel.tp={info['tp']}", f"--parallel.pp={info['pp']}",
               f"--training.activation_checkpointing={'full' if info['ac'] else 'none'}",

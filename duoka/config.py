@@ -120,6 +120,11 @@ class ParallelConfig:
     dp_shard: int = opt(-1, "Ranks one fsdp replica is sharded over. -1: world size / dp_replicate.", min=-1)
     reshard_after_forward: bool = opt(True, "fsdp: free gathered parameters after forward and gather again in "
                                             "backward (less memory, more communication).")
+    reduce_every_microbatch: bool = opt(False, "fsdp with gradient accumulation: reduce-scatter every micro-batch's "
+                                               "gradients (sharded fp32 accumulation) instead of only the last one's. "
+                                               "Saves the unsharded fp32 gradients between micro-batches (4 bytes "
+                                               "per parameter per GPU) for more reduce-scatter traffic, overlapped "
+                                               "with backward.")
     tp: int = opt(1, "Tensor-parallel degree, with sequence parallelism (Megatron-style column/row sharding of "
                      "attention and MLP, norms and dropout-free regions sharded on the sequence). Must divide the "
                      "model's attention heads and KV heads; best kept within one NVLink domain.", min=1)

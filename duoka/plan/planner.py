@@ -618,7 +618,9 @@ def make_plan(model: ModelChoice, hw: Hardware, seq_len: int | None = None,
     if best.layout.fsdp and best.layout.pp == 1 and best.accumulation > 1 and best.layout.dp_shard > 1:
         notes.append(f"gradient accumulation under fsdp: the trainer skips the reduce-scatter between "
                      f"micro-batches, so each GPU holds unsharded fp32 gradients ({_gib(best.memory.gradients)} GiB "
-                     "of its peak); a step without accumulation (micro-batch = per-rank batch) does not")
+                     "of its peak); --parallel.reduce_every_microbatch=true shards them (more reduce-scatter "
+                     "traffic; this estimate does not include that saving), and a step without accumulation "
+                     "(micro-batch = per-rank batch) does not hold them")
     return Plan(model, hw, seq_len, global_batch, ranked, sorted(rejected, key=lambda c: simplicity(c.layout)),
                 explain(ranked, rejected, hw), len(candidates), notes)
 

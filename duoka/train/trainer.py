@@ -313,9 +313,10 @@ class Trainer:
     # ------------------------------------------------------------------ loop
 
     def _sync_context(self, last: bool):
-        """Skip the gradient reduction on all but the last micro-batch of a step."""
+        """Skip the gradient reduction on all but the last micro-batch of a step (FSDP2
+        then keeps unsharded fp32 gradients in between, unless reduce_every_microbatch)."""
         if self.dims.fsdp:
-            self.model.set_requires_gradient_sync(last)
+            self.model.set_requires_gradient_sync(last or self.cfg.parallel.reduce_every_microbatch)
             return contextlib.nullcontext()
         if not last and hasattr(self.model, "no_sync"):
             return self.model.no_sync()

@@ -91,6 +91,10 @@ def test_gradient_accumulation_matches(reference, tmp_path):
     assert_same_run(tmp_path / "acc1", reference)
     train(tmp_path / "acc2", "--nproc-per-node=2", "--parallel.dp_mode=fsdp", "--training.micro_batch_size=1")
     assert_same_run(tmp_path / "acc2", reference)
+    # FSDP2 accumulation reducing every micro-batch instead of only the last.
+    train(tmp_path / "acc3", "--nproc-per-node=2", "--parallel.dp_mode=fsdp", "--training.micro_batch_size=2",
+          "--parallel.reduce_every_microbatch=true")
+    assert_same_run(tmp_path / "acc3", reference)
 
 
 def test_two_launchers_on_loopback_form_one_job(reference, tmp_path):
