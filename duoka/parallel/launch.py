@@ -136,14 +136,6 @@ def launch_training(
     args, model_dir, tokenizer_dir = resolve_model(cfg)
     dims = ParallelDims.from_config(cfg.parallel, world)
     dims.check_model(args.n_heads, args.n_kv_heads, args.n_layers, cfg.parallel.pp_stages_per_rank)
-    if dims.tp > 1 and cfg.training.compile:
-        # Found by comparing with one process: the losses agree but the gradients do not
-        # (grad norm 7% low on the debug model, torch 2.13 CPU), so refuse rather than
-        # train wrongly. Eager tensor parallelism is exact (tests/distributed).
-        raise DuokaError("training.compile=true with parallel.tp > 1 computes wrong gradients in this torch version "
-                         "(torch.compile of tensor-parallel blocks; the eager path is exact)",
-                         "use --training.compile=false with tensor parallelism, or FSDP2 / pipeline parallelism "
-                         "with compile")
     if dims.pp > 1 and cfg.parallel.pp_layers != "measured":
         from duoka.models.qwen2.pipeline import layer_counts
 

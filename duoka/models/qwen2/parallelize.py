@@ -80,7 +80,15 @@ def parallelize_qwen2(model: Qwen2, dims: ParallelDims, mesh: DeviceMesh, cfg: C
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
     if cfg.training.compile:
         for block in model.layers.values():
-            block.compile(fullgraph=True)  # in place: parameter names stay the same
+            if dims.tp > 1:
+                # The tensor-parallel plan's input/output hooks must stay outside the
+                # compiled region: a whole compiled block gave wrong gradients (torch 2.13;
+                # tests/distributed checks this path against one process). Compiling the
+                # attention and MLP bodies still removes DTensor's dispatch from the matmuls.
+                block.attention.forward = torch.compile(block.attention.forward, fullgraph=True)
+                block.feed_forward.forward = torch.compile(block.feed_forward.forward, fullgraph=True)
+            else:
+                block.compile(fullgraph=True)  # in place: parameter names stay the same
 
     if dims.fsdp:
         # bf16 parameters for compute, fp32 gradient reduction, fp32 master weights in the
