@@ -32,11 +32,10 @@ FSDP2 = ["--nproc-per-node=2", "--parallel.dp_mode=fsdp"]
 
 @pytest.fixture(scope="module")
 def tp2_run(tmp_path_factory):
-    """A tp=2 run with compiled attention and MLP bodies and a checkpoint at step 3:
-    checked against one process, and resumed under another layout. (Eager tp runs in the
-    combined layouts below.)"""
+    """A tp=2 run with a checkpoint at step 3: checked against one process, and resumed
+    under another layout."""
     run = tmp_path_factory.mktemp("tp2") / "run"
-    train(run, "--checkpoint.interval=3", "--training.compile=true", *TP2)
+    train(run, "--checkpoint.interval=3", *TP2)
     return run
 
 
