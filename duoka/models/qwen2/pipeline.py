@@ -46,14 +46,9 @@ def layer_counts(args: ModelArgs, n_stages: int, spec: str, seq_len: int = 2048)
     "a,b,c": explicit counts, one per stage, summing to n_layers."""
     n = args.n_layers
     if spec == "even":
-        base, extra = divmod(n + 2, n_stages)
-        counts = [base] * n_stages
-        order = list(range(1, n_stages - 1)) + [0, n_stages - 1] if n_stages > 2 else list(range(n_stages))
-        for i in range(extra):
-            counts[order[i % len(order)]] += 1
-        counts[0] -= 1
-        counts[-1] -= 1
-        return _fix_negative(counts)
+        from duoka.plan.memory import stage_layer_counts  # the planner's split is the one the trainer uses
+
+        return stage_layer_counts(n, n_stages)
     if spec == "flops":
         head = 6 * args.vocab_size * args.dim
         layer = (6 * args.matmul_params() - head) / n + 12 * args.n_heads * args.resolved_head_dim * seq_len
@@ -120,17 +115,6 @@ def measure_stage_costs(args: ModelArgs, micro_batch: int, seq_len: int, device:
     layer = timed(lambda: block(x, cos, sin).sum().backward())
     head_s = timed(lambda: F.cross_entropy(head(x).float().flatten(0, 1), labels).backward())
     return layer, head_s
-
-
-def _fix_negative(counts: list[int]) -> list[int]:
-    # Few layers over many stages: an end stage may have come out at -1 (its embedding or
-    # head is its whole share); take the layer from the largest neighbour.
-    for i, c in enumerate(counts):
-        while counts[i] < 0:
-            j = max(range(len(counts)), key=lambda k: counts[k])
-            counts[j] -= 1
-            counts[i] += 1
-    return counts
 
 
 def stage_ids(pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
