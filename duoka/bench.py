@@ -31,7 +31,8 @@ DEFAULT_PEER = ROOT.parent / "shared" / "peer" / "hf_qwen2_baseline.py"
 
 def layout_overrides(layout: str) -> tuple[list[str], dict]:
     """`fsdp+tp2+ac+compile` -> config overrides, and what the layout means for the peer.
-    Parts: ddp | fsdp | hsdpR (R replica groups) | tpN | ppN (1F1B) | ac | compile | fused | reduce-every."""
+    Parts: ddp | fsdp | hsdpR (R replica groups) | tpN | ppN (1F1B) | ac | compile | fused | reduce-every |
+    noreshard."""
     flags, info = [], {"dp_mode": "ddp", "tp": 1, "pp": 1, "ac": False, "compile": False, "fused": False}
     for part in layout.split("+"):
         if part in ("ddp", "fsdp"):
@@ -49,10 +50,12 @@ def layout_overrides(layout: str) -> tuple[list[str], dict]:
             info["fused"] = True
         elif part == "reduce-every":  # fsdp accumulation: reduce-scatter every micro-batch (duoka only)
             flags.append("--parallel.reduce_every_microbatch=true")
+        elif part == "noreshard":  # fsdp: blocks stay gathered from forward to backward (ZeRO-2-like)
+            flags.append("--parallel.reshard_after_forward=false")
         else:
             raise DuokaError(f"--layout part {part!r} is not understood",
                              "join parts with +: ddp | fsdp | hsdpR | tpN | ppN | ac | compile | fused | "
-                             "reduce-every, "
+                             "reduce-every | noreshard, "
                              "e.g. fsdp+tp2+compile")
     flags += [f"--parallel.dp_mode={info['dp_mode']}", f"--parallel.tp={info['tp']}", f"--parallel.pp={info['pp']}",
               f"--training.activation_checkpointing={'full' if info['ac'] else 'none'}",
@@ -81,7 +84,7 @@ def summarize(records: list[dict], warmup: int, world: int) -> dict:
 
 
 def run_duoka(model: str, layout: str, seq: int, micro_batch: int, global_batch: int | None, steps: int, warmup: int,
-              nproc: int, timeout: int) -> dict:
+              nproc: int, timeout: int, settings: list[str] = (), profile: bool = False) -> dict:
     flags, info = layout_overrides(layout)
     dp = nproc // (info["tp"] * info["pp"]) or 1
     global_batch = global_batch or micro_batch * dp
@@ -91,6 +94,14 @@ def run_duoka(model: str, layout: str, seq: int, micro_batch: int, global_batch:
            f"--training.global_batch_size={global_batch}", f"--training.steps={warmup + steps}",
            "--checkpoint.enabled=false", "--checkpoint.export_final=false", f"--metrics.log_interval={warmup + steps}",
            "--optimizer.warmup_steps=2", f"--nproc-per-node={nproc}", *flags]
+    for setting in settings:
+        if "=" not in setting or not setting.split("=", 1)[0].count("."):
+            raise DuokaError(f"--set {setting!r} is not SECTION.KEY=VALUE", "e.g. --set parallel.reshard_after_forward=false")
+        cmd.append(f"--{setting}")
+    if profile:  # the last warm-up step, so the profiler's overhead stays out of the timed steps
+        if warmup < 1:
+            raise DuokaError("--profile needs at least one warm-up step", "use --warmup 1 or more")
+        cmd.append(f"--metrics.profile_step={warmup}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -99,9 +110,13 @@ def run_duoka(model: str, layout: str, seq: int, micro_batch: int, global_batch:
             raise DuokaError(f"duoka train failed for {model} {layout}:\n    " + "\n    ".join(tail),
                              "run the same duoka train command by hand for the whole log")
         records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        kernels = json.loads((run / "profile" / "kernels-rank0.json").read_text()) if profile else None
     finally:
         shutil.rmtree(run.parent, ignore_errors=True)
-    return {**summarize(records, warmup, nproc), "global_batch": global_batch}
+    result = {**summarize(records, warmup, nproc), "global_batch": global_batch, "settings": list(settings)}
+    if kernels is not None:
+        result["profile"] = kernels
+    return result
 
 
 def run_peer(peer: Path, model: str, info: dict, seq: int, micro_batch: int, steps: int, warmup: int, nproc: int,
@@ -127,14 +142,16 @@ def run_peer(peer: Path, model: str, info: dict, seq: int, micro_batch: int, ste
 
 
 def bench(model: str, layout: str, seq: int, micro_batch: int, steps: int, warmup: int, global_batch: int | None,
-          vs_peer: bool, peer: Path, nproc: int | None, timeout: int) -> dict:
+          vs_peer: bool, peer: Path, nproc: int | None, timeout: int, settings: list[str] = (),
+          profile: bool = False) -> dict:
     if nproc is None:
         import torch
 
         nproc = torch.cuda.device_count() or 1
     result = {"model": model, "layout": layout, "seq": seq, "micro_batch": micro_batch, "gpus": nproc,
               "timed_steps": steps,
-              **run_duoka(model, layout, seq, micro_batch, global_batch, steps, warmup, nproc, timeout)}
+              **run_duoka(model, layout, seq, micro_batch, global_batch, steps, warmup, nproc, timeout, settings,
+                          profile)}
     if vs_peer:
         _, info = layout_overrides(layout)
         result["peer"] = run_peer(peer, model, info, seq, micro_batch, steps, warmup, nproc, timeout)
@@ -167,3 +184,7 @@ def render(result: dict, console) -> None:
     total = result["step_time_s"]
     console.print("step time (median): " + ", ".join(f"{k} {v * 1e3:.1f} ms ({v / total:.0%})"
                                                      for k, v in parts.items()))
+    if "profile" in result:
+        console.print("profiled step, top kernels by device time:")
+        for k in result["profile"]["kernels"][:12]:
+            console.print(f"  {k['ms']:8.1f} ms {k['share']:5.1%} x{k['calls']:<4} {k['name'][:100]}")

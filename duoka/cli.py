@@ -243,7 +243,8 @@ def add_bench_parser(sub) -> None:
                        description="Runs duoka train on random tokens for warm-up + timed steps on the visible "
                                    "GPUs and reports tokens/s/GPU, MFU, peak memory and the step-time breakdown.")
     p.add_argument("--model", default="qwen2-0.5b", help="flavor (qwen2-0.5b, qwen2-1.5b, qwen2-7b, ...)")
-    p.add_argument("--layout", default="ddp", help="parts joined by +: ddp | fsdp | hsdpR | tpN | ppN | ac | compile")
+    p.add_argument("--layout", default="ddp", help="parts joined by +: ddp | fsdp | hsdpR | tpN | ppN | ac | compile "
+                                                   "| fused | reduce-every | noreshard")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=10, help="timed steps")
@@ -252,6 +253,10 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--nproc-per-node", type=int, default=None, help="default: one per visible GPU")
     p.add_argument("--vs-peer", action="store_true", help="also run the transformers peer in this call")
     p.add_argument("--peer", default=None, help="peer script (default ../shared/peer/hf_qwen2_baseline.py)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="extra duoka train setting, e.g. --set parallel.reshard_after_forward=false (repeatable)")
+    p.add_argument("--profile", action="store_true",
+                   help="profile the last warm-up step; the top kernels by device time go into the JSON")
     p.add_argument("--timeout", type=int, default=1200, help="seconds per run")
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.set_defaults(func=run_bench)
@@ -265,7 +270,7 @@ def run_bench(a: argparse.Namespace) -> int:
     from duoka.bench import DEFAULT_PEER, bench, render
 
     result = bench(a.model, a.layout, a.seq, a.micro_batch, a.steps, a.warmup, a.global_batch, a.vs_peer,
-                   Path(a.peer) if a.peer else DEFAULT_PEER, a.nproc_per_node, a.timeout)
+                   Path(a.peer) if a.peer else DEFAULT_PEER, a.nproc_per_node, a.timeout, a.set, a.profile)
     render(result, Console(stderr=True))
     text = json.dumps(result, indent=1)
     if a.out:

@@ -86,6 +86,10 @@ class TrainingConfig:
     activation_checkpointing: str = opt("none", "`full` recomputes each decoder block in the backward pass "
                                                 "(less memory, about a third more compute).", choices=("none", "full"))
     compile: bool = opt(False, "torch.compile each decoder block.")
+    attention_kernel: str = opt("auto", "Causal attention kernel behind SDPA on GPU: auto (PyTorch's choice), flash, "
+                                        "cudnn or efficient. Only that kernel is allowed: a shape it cannot run is "
+                                        "an error, not a silent fallback. See bench/results/attention_kernels.md.",
+                                choices=("auto", "flash", "cudnn", "efficient"))
     fused_loss: bool = opt(False, "Compute the output head and the cross-entropy together, chunk by chunk, never "
                                   "holding the logits of more than 4096 tokens (saves ~1.5 MB per token with Qwen2's "
                                   "152k vocabulary). Not under tp (its loss is vocabulary-parallel) or pp.")
@@ -164,6 +168,9 @@ class MetricsConfig:
     log_interval: int = opt(10, "Print a progress line every this many steps (metrics.jsonl gets every step).", min=1)
     peak_tflops: float = opt(0.0, "Per-device dense bf16 peak for MFU, in TFLOP/s; 0: from the GPU's name "
                                   "(989 for H100/H200 SXM). CPU runs report no MFU.", min=0.0)
+    profile_step: int = opt(0, "Record this step with torch.profiler: profile/trace-rank<R>.json (open in "
+                               "Perfetto or chrome://tracing) and profile/kernels-rank<R>.json (device time per "
+                               "kernel). 0: off.", min=0)
 
 
 @dataclass

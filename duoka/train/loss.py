@@ -7,13 +7,48 @@ for one chunk of tokens at a time inside forward, so only one chunk's logits eve
 backward only scales the stored gradients. The FLOPs are the unfused path's (no
 recomputation), the memory of the logits falls to one chunk. (The same idea as Liger
 Kernel's fused linear cross-entropy, Hsu et al. 2024, arXiv:2410.10989, in plain PyTorch.)
+
+With `compiled=True` the per-chunk softmax and its gradient are one torch.compile'd
+function: the bf16 logits are read twice (log-sum-exp, then the gradient) and the fp32
+values never reach memory. Eager, the same function runs op by op on smaller chunks.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 IGNORE_INDEX = -100
+CHUNK_TOKENS = {True: 4096, False: 1024}  # compiled: no fp32 temporaries; eager: ~4 fp32 [chunk, vocab] live
+
+
+def loss_and_logit_grad(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For one chunk: the summed fp32 cross-entropy of `logits` [c, vocab] against `labels`
+    [c] and d loss / d logits (softmax - one-hot, zero for ignored tokens) in the logits'
+    dtype. Written as whole-tensor expressions so the compiler fuses it into two passes."""
+    x = logits.float()
+    valid = labels != IGNORE_INDEX
+    target = torch.where(valid, labels, 0)
+    lse = torch.logsumexp(x, dim=-1)
+    picked = x.gather(1, target[:, None]).squeeze(1)
+    loss = ((lse - picked) * valid).sum()
+    is_target = torch.arange(x.shape[1], device=x.device)[None, :] == target[:, None]
+    grad = (torch.exp(x - lse[:, None]) - is_target.to(x.dtype)) * valid[:, None]
+    return loss, grad.to(logits.dtype)
+
+
+_compiled = None
+
+
+def _chunk_fn(compiled: bool):
+    global _compiled
+    if not compiled:
+        return loss_and_logit_grad
+    if _compiled is None:
+        # dynamic=False: the chunk shape is fixed except for a shorter last chunk (one
+        # more specialisation), and static shapes give the best kernels.
+        _compiled = torch.compile(loss_and_logit_grad, dynamic=False)
+    return _compiled
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -21,25 +56,17 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     hidden [tokens, dim] in the compute dtype; weight [vocab, dim]; returns an fp32 scalar."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int):
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, compiled: bool):
         w = weight.to(hidden.dtype)  # under autocast (DDP) the master weight is fp32
+        chunk_fn = _chunk_fn(compiled)
         total = torch.zeros((), device=hidden.device, dtype=torch.float32)
         grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
         grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) \
             if weight.requires_grad else None
         for start in range(0, hidden.shape[0], chunk):
-            h, y = hidden[start:start + chunk], labels[start:start + chunk]
-            logits = (h @ w.T).float()
-            valid = y != IGNORE_INDEX
-            target = torch.where(valid, y, 0)
-            lse = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, target[:, None]).squeeze(1)
-            total += ((lse - picked) * valid).sum()
-            # d CE / d logits = softmax - onehot, zero for ignored tokens; reuse the buffer.
-            grad = logits.sub_(lse[:, None]).exp_()
-            grad[torch.arange(len(y), device=y.device), target] -= 1.0
-            grad.mul_(valid[:, None])
-            grad = grad.to(hidden.dtype)
+            h = hidden[start:start + chunk]
+            loss, grad = chunk_fn(h @ w.T, labels[start:start + chunk])
+            total += loss
             if grad_hidden is not None:
                 torch.matmul(grad, w, out=grad_hidden[start:start + chunk])
             if grad_weight is not None:
@@ -53,11 +80,30 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         gh = grad_hidden * grad_output.to(grad_hidden.dtype) if grad_hidden is not None else None
         gw = (grad_weight * grad_output).to(ctx.weight_dtype) if grad_weight is not None else None
-        return gh, gw, None, None
+        return gh, gw, None, None, None
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                          chunk: int = 4096) -> torch.Tensor:
+                          chunk: int | None = None, compiled: bool = False) -> torch.Tensor:
     """Summed cross-entropy of the head `weight` applied to `hidden` [..., dim] against
     `labels` [...], without materialising the logits of more than `chunk` tokens."""
-    return ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk)
+    chunk = chunk or CHUNK_TOKENS[compiled]
+    return ChunkedLinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), chunk,
+                                           compiled)
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The plain path's loss: summed fp32 cross-entropy of materialised logits."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
+
+
+_compiled_plain = None
+
+
+def compiled_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """cross_entropy_sum through torch.compile: the fp32 copy of the logits and the fp32
+    log-softmax are fused away; backward recomputes the softmax from the bf16 logits."""
+    global _compiled_plain
+    if _compiled_plain is None:
+        _compiled_plain = torch.compile(cross_entropy_sum, dynamic=False)
+    return _compiled_plain(logits, labels)

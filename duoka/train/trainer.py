@@ -46,9 +46,9 @@ from duoka.monitor.metrics import MetricsFile, mfu, peak_flops
 from duoka.parallel.dims import ParallelDims
 from duoka.plan.memory import largest_fitting_micro_batch
 from duoka.train.checkpoint import async_stager, load_checkpoint, save_checkpoint
+from duoka.train.loss import IGNORE_INDEX, compiled_cross_entropy_sum, cross_entropy_sum
+from duoka.train.profiling import profiled_step
 from duoka.train.optim import build_optimizer, effective_lr, lr_at, plan_batch
-
-IGNORE_INDEX = -100
 
 
 @dataclass
@@ -113,6 +113,21 @@ def document_kernel(choice: str, device: torch.device) -> str:
     return choice
 
 
+def select_attention_kernel(choice: str, device: torch.device) -> None:
+    """training.attention_kernel: restrict SDPA to one GPU kernel for this process (the
+    switches are read when a block is compiled too). The math fallback goes off with the
+    others, so a shape the kernel cannot run fails loudly instead of running slowly."""
+    if choice == "auto":
+        return
+    if device.type != "cuda":
+        raise DuokaError(f"training.attention_kernel={choice} selects a GPU kernel and this run is on CPU",
+                         "use --training.attention_kernel=auto")
+    torch.backends.cuda.enable_flash_sdp(choice == "flash")
+    torch.backends.cuda.enable_cudnn_sdp(choice == "cudnn")
+    torch.backends.cuda.enable_mem_efficient_sdp(choice == "efficient")
+    torch.backends.cuda.enable_math_sdp(False)
+
+
 class Trainer:
     def __init__(self, spec: WorkerSpec):
         self.spec = spec
@@ -149,11 +164,14 @@ class Trainer:
         self.compute_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
 
         self.document_kernel = document_kernel(cfg.data.document_masking_kernel, self.device)
+        select_attention_kernel(cfg.training.attention_kernel, self.device)
         self.schedule = None  # the pipeline schedule, built once the micro-batch count is known
         # The chunked head + cross-entropy needs the whole head on the rank: not under tp
         # (the vocabulary-parallel loss also never gathers the logits) nor pp (the schedule
         # owns the loss call). The banner says which loss runs.
         self.fused_loss = cfg.training.fused_loss and not self.dims.model_parallel
+        # Compiling the plain loss fuses away the fp32 logits (not under tp: loss_parallel's DTensors).
+        self.compile_loss = cfg.training.compile and self.dims.tp == 1
         self.model = self._build_pipeline() if self.dims.pp > 1 else self._build_model()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # Parameters whose gradients enter the norm: a last pipeline stage's copy of the
@@ -343,8 +361,9 @@ class Trainer:
         model_inputs = {k: v for k, v in batch.items() if k != "labels"}
         with self._autocast():
             logits = self.model(**model_inputs)
-        return F.cross_entropy(logits.float().flatten(0, 1), batch["labels"].flatten(), reduction="sum",
-                               ignore_index=IGNORE_INDEX)
+        if self.compile_loss:
+            return compiled_cross_entropy_sum(logits, batch["labels"])
+        return cross_entropy_sum(logits, batch["labels"])
 
     def _pipeline_step(self, micro: list[dict], global_tokens: torch.Tensor) -> torch.Tensor:
         """One optimizer step's forward and backward through the pipeline schedule: the
@@ -415,41 +434,44 @@ class Trainer:
         for step in range(self.start_step, steps):
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)  # peak_mem_gib is this step's peak
-            t0 = time.perf_counter()
-            host = prefetch.get(step)
-            local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in host)  # on the host: no GPU sync
-            micro = [{k: t.to(self.device, non_blocking=True) for k, t in b.items()} for b in host]
-            t_data = time.perf_counter() - t0
+            # The trace is written after the step's timing, so it does not count in step_time.
+            with profiled_step(self.run_dir / "profile", self.rank, self.device,
+                               step + 1 == cfg.metrics.profile_step):
+                t0 = time.perf_counter()
+                host = prefetch.get(step)
+                local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in host)  # on the host: no GPU sync
+                micro = [{k: t.to(self.device, non_blocking=True) for k, t in b.items()} for b in host]
+                t_data = time.perf_counter() - t0
 
-            # Every tp and pp rank of a data-parallel replica holds the same tokens.
-            global_tokens = torch.tensor(float(local_tokens), device=self.device, dtype=torch.float64)
-            dist.all_reduce(global_tokens)
-            global_tokens = (global_tokens / (self.dims.tp * self.dims.pp)).float()
-            phases = PhaseTimer(self.device)
-            if self.schedule is not None:
-                with phases("pipeline"):  # forward and backward interleave inside the schedule
-                    loss_sum = self._pipeline_step(micro, global_tokens)
-            else:
-                loss_sum = torch.zeros((), device=self.device)
-                for i, batch in enumerate(micro):
-                    with self._sync_context(last=i == len(micro) - 1), self._loss_context():
-                        with phases("forward"):
-                            ce = self._summed_loss(batch)
-                        with phases("backward"):
-                            (ce * self.dp_size / global_tokens).backward()
-                    loss_sum += _local(ce).detach()
+                # Every tp and pp rank of a data-parallel replica holds the same tokens.
+                global_tokens = torch.tensor(float(local_tokens), device=self.device, dtype=torch.float64)
+                dist.all_reduce(global_tokens)
+                global_tokens = (global_tokens / (self.dims.tp * self.dims.pp)).float()
+                phases = PhaseTimer(self.device)
+                if self.schedule is not None:
+                    with phases("pipeline"):  # forward and backward interleave inside the schedule
+                        loss_sum = self._pipeline_step(micro, global_tokens)
+                else:
+                    loss_sum = torch.zeros((), device=self.device)
+                    for i, batch in enumerate(micro):
+                        with self._sync_context(last=i == len(micro) - 1), self._loss_context():
+                            with phases("forward"):
+                                ce = self._summed_loss(batch)
+                            with phases("backward"):
+                                (ce * self.dp_size / global_tokens).backward()
+                        loss_sum += _local(ce).detach()
 
-            with phases("optimizer"):
-                max_norm = cfg.training.grad_clip if cfg.training.grad_clip > 0 else math.inf
-                grad_norm = self._clip_gradients(max_norm)
-                lr = lr_at(step, steps, self.peak_lr, cfg.optimizer)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = lr
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            step_time = time.perf_counter() - t0
+                with phases("optimizer"):
+                    max_norm = cfg.training.grad_clip if cfg.training.grad_clip > 0 else math.inf
+                    grad_norm = self._clip_gradients(max_norm)
+                    lr = lr_at(step, steps, self.peak_lr, cfg.optimizer)
+                    for group in self.optimizer.param_groups:
+                        group["lr"] = lr
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)
+                step_time = time.perf_counter() - t0
 
             # One small all-gather per step carries every rank's figures for the metrics line
             # and whether any rank was asked to stop (SIGTERM), so all stop at the same step.

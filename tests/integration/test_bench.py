@@ -19,7 +19,8 @@ def test_bench_runs_training_and_reports_the_contract_fields(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, "-m", "duoka.cli", "bench", "--model", "debug", "--layout", "fsdp",
                            "--seq", "64", "--micro-batch", "2", "--steps", "3", "--warmup", "1",
-                           "--nproc-per-node", "2", "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
+                           "--nproc-per-node", "2", "--profile", "--set", "optimizer.weight_decay=0.0",
+                           "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
                           timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
@@ -30,6 +31,11 @@ def test_bench_runs_training_and_reports_the_contract_fields(tmp_path):
     assert {"forward", "backward", "optimizer", "data", "other"} <= set(r["breakdown_s"])
     assert r["breakdown_s"]["backward"] > 0
     assert "tokens/s/GPU" in proc.stderr and "step time (median)" in proc.stderr
+    assert r["settings"] == ["optimizer.weight_decay=0.0"]
+    # The profiled warm-up step: operators by self time (CPU), the matmuls among them.
+    names = [k["name"] for k in r["profile"]["kernels"]]
+    assert r["profile"]["device"] == "cpu" and any("mm" in n for n in names), names
+    assert "top kernels" in proc.stderr
 
 
 def test_summary_weighs_steps_by_time_and_skips_warmup():

@@ -252,6 +252,7 @@ class Qwen2(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.attention_backend = "sdpa"  # how packed documents are masked, see document_mask
+        self.compile_loss = False  # forward(labels=...): compile the chunked loss (set with training.compile)
         # False for pipeline stages after the first (duoka.models.qwen2.pipeline); the last
         # stage of a tied model keeps tok_embeddings only as the home of the shared weight.
         self.takes_tokens = True
@@ -325,7 +326,7 @@ class Qwen2(nn.Module):
         if labels is not None:
             from duoka.train.loss import chunked_cross_entropy
 
-            return chunked_cross_entropy(h, self.output.weight, labels)
+            return chunked_cross_entropy(h, self.output.weight, labels, compiled=self.compile_loss)
         return self.output(h) if self.output is not None else h
 
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> KVCache:

@@ -90,6 +90,8 @@ def parallelize_qwen2(model: Qwen2, dims: ParallelDims, mesh: DeviceMesh, cfg: C
                 block.feed_forward.forward = torch.compile(block.feed_forward.forward, fullgraph=True)
             else:
                 block.compile(fullgraph=True)  # in place: parameter names stay the same
+        # The fused loss's softmax pass too (not under tp: its logits are DTensors in loss_parallel).
+        model.compile_loss = dims.tp == 1
 
     if dims.fsdp:
         # bf16 parameters for compute, fp32 gradient reduction, fp32 master weights in the

@@ -1,0 +1,104 @@
+"""Causal attention kernels on GPU: which exact kernel is fastest for Qwen2's head shapes.
+
+    python bench/attention_kernels.py --out $OUT/attention_kernels.json
+
+Forward + backward of causal self-attention, bf16, 16k tokens (batch x 2048, and the same
+tokens at 4096 and 8192), for each Qwen2 shape's heads (query heads, KV heads, head dim),
+through each way duoka can run it: SDPA restricted to one backend at a time (flash, cuDNN,
+memory-efficient; GQA through enable_gqa, or with repeated KV heads where a backend refuses
+it), flex attention (compiled) and flash varlen with one document per row. Each output is
+compared with the flash result. Times are CUDA-event medians of 10 runs after 3 warm-up runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+from duoka.models.qwen2.args import FLAVORS
+from duoka.models.qwen2.model import Varlen, _varlen_attention
+
+SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def timed(fn, q, k, v, runs=10, warmup=3) -> float:
+    times = []
+    for i in range(warmup + runs):
+        for t in (q, k, v):
+            t.grad = None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn(q, k, v)
+        out.backward(torch.ones_like(out))
+        end.record()
+        torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokens", type=int, default=16384)
+    args = ap.parse_args()
+    flex = torch.compile(flex_attention, dynamic=False)
+    results = []
+    for flavor in ("qwen2-0.5b", "qwen2-1.5b", "qwen2-7b"):
+        a = FLAVORS[flavor]
+        hq, hkv, d = a.n_heads, a.n_kv_heads, a.resolved_head_dim
+        for seq in (2048, 4096, 8192):
+            b = args.tokens // seq
+            g = torch.Generator(device="cuda").manual_seed(0)
+            q = torch.randn(b, hq, seq, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+            k = torch.randn(b, hkv, seq, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+            v = torch.randn(b, hkv, seq, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+            # causal attention FLOPs, forward + backward (2.5x forward), PaLM-style half of the square
+            flops = 4 * b * hq * seq * seq * d / 2 * 3.5
+            reference = None
+            row = {"flavor": flavor, "heads": hq, "kv_heads": hkv, "head_dim": d, "seq": seq, "batch": b, "ms": {},
+                   "tflops": {}, "max_abs_diff_vs_flash": {}, "errors": {}}
+
+            def sdpa(name, repeat):
+                def fn(q, k, v):
+                    if repeat:
+                        k, v = (t.repeat_interleave(hq // hkv, dim=1) for t in (k, v))
+                    with sdpa_kernel(SDPA[name]):
+                        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=not repeat)
+                return fn
+
+            block = create_block_mask(lambda b_, h_, i, j: i >= j, None, None, seq, seq, device="cuda")
+            cu = torch.arange(0, b * seq + 1, seq, device="cuda", dtype=torch.int32)
+            candidates = {"flash": sdpa("flash", False), "cudnn": sdpa("cudnn", False),
+                          "cudnn_repeat_kv": sdpa("cudnn", True), "efficient_repeat_kv": sdpa("efficient", True),
+                          "flex": lambda q, k, v: flex(q, k, v, block_mask=block, enable_gqa=True),
+                          "varlen": lambda q, k, v: _varlen_attention(q, k, v, Varlen(cu, seq)).transpose(1, 2)}
+            for name, fn in candidates.items():
+                try:
+                    with torch.no_grad():
+                        out = fn(q, k, v).float()
+                    ms = timed(fn, q, k, v)
+                except Exception as e:  # a backend that refuses this shape: recorded, not hidden
+                    row["errors"][name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                    continue
+                if reference is None:
+                    reference = out
+                row["ms"][name] = ms
+                row["tflops"][name] = flops / ms / 1e9
+                row["max_abs_diff_vs_flash"][name] = float((out - reference).abs().max())
+            print(json.dumps(row), flush=True)
+            results.append(row)
+    Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                          "results": results}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

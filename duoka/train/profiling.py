@@ -1,0 +1,50 @@
+"""One training step under torch.profiler (`metrics.profile_step`), for finding where the
+time goes: which attention kernel runs, how long the loss and the optimizer take, how much
+communication is exposed. Writes a Chrome/Perfetto trace and a per-kernel table per rank."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+@contextlib.contextmanager
+def profiled_step(out_dir: Path, rank: int, device: torch.device, enabled: bool, top: int = 40):
+    """Profile the enclosed step when `enabled`; otherwise do nothing. The caller's step
+    ends with a device synchronize, so every kernel of the step is in the trace."""
+    if not enabled:
+        yield
+        return
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, record_shapes=False) as prof:
+        yield
+    out_dir.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(out_dir / f"trace-rank{rank}.json"))
+    (out_dir / f"kernels-rank{rank}.json").write_text(json.dumps(kernel_table(prof, cuda, top), indent=1) + "\n")
+
+
+def kernel_table(prof, cuda: bool, top: int) -> dict:
+    """Device time per kernel (GPU) or self CPU time per operator (CPU), largest first."""
+    rows = []
+    for e in prof.key_averages():
+        if cuda:
+            # Kernels are device-side events; operators carry their kernels' time as well.
+            t = getattr(e, "self_device_time_total", None)
+            if t is None:
+                t = e.self_cuda_time_total
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+        else:
+            t = e.self_cpu_time_total
+        if t > 0:
+            rows.append({"name": e.key, "ms": t / 1e3, "calls": e.count})
+    rows.sort(key=lambda r: -r["ms"])
+    total = sum(r["ms"] for r in rows)
+    for r in rows:
+        r["share"] = r["ms"] / total if total else 0.0
+    return {"device": "cuda" if cuda else "cpu", "total_ms": total, "kernels": rows[:top]}
