@@ -34,7 +34,7 @@ def parse_case(text: str) -> dict:
         else:
             key, value = o.split("=", 1)
             case[{"seq": "seq", "gb": "global_batch", "gpus": "gpus", "steps": "steps"}[key]] = int(value)
-    case["name"] = re.sub(r"[^A-Za-z0-9.+=_-]+", "_", text)
+    case["name"] = re.sub(r"[^A-Za-z0-9._-]+", "_", text.replace("+", "-"))  # names the device tool returns
     return case
 
 

@@ -57,29 +57,36 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int, compiled: bool):
-        w = weight.to(hidden.dtype)  # under autocast (DDP) the master weight is fp32
+        # Under autocast (DDP) the final norm's output and the master weight are fp32 and
+        # the matmuls should run in the autocast dtype: cast once, explicitly, and keep
+        # autocast out of the loop so every tensor here has the dtype it says.
+        device = hidden.device.type
+        compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
         chunk_fn = _chunk_fn(compiled)
-        total = torch.zeros((), device=hidden.device, dtype=torch.float32)
-        grad_hidden = torch.empty_like(hidden) if hidden.requires_grad else None
-        grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) \
-            if weight.requires_grad else None
-        for start in range(0, hidden.shape[0], chunk):
-            h = hidden[start:start + chunk]
-            loss, grad = chunk_fn(h @ w.T, labels[start:start + chunk])
-            total += loss
-            if grad_hidden is not None:
-                torch.matmul(grad, w, out=grad_hidden[start:start + chunk])
-            if grad_weight is not None:
-                grad_weight.add_(grad.T @ h)  # chunk product in the compute dtype, summed in fp32
+        with torch.autocast(device, enabled=False):
+            x, w = hidden.to(compute), weight.to(compute)
+            total = torch.zeros((), device=hidden.device, dtype=torch.float32)
+            grad_hidden = torch.empty_like(x) if hidden.requires_grad else None
+            grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) \
+                if weight.requires_grad else None
+            for start in range(0, x.shape[0], chunk):
+                h = x[start:start + chunk]
+                loss, grad = chunk_fn(h @ w.T, labels[start:start + chunk])
+                total += loss
+                if grad_hidden is not None:
+                    torch.matmul(grad, w, out=grad_hidden[start:start + chunk])
+                if grad_weight is not None:
+                    grad_weight.add_(grad.T @ h)  # chunk product in the compute dtype, summed in fp32
         ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.weight_dtype = weight.dtype
+        ctx.dtypes = hidden.dtype, weight.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_output):
         grad_hidden, grad_weight = ctx.saved_tensors
-        gh = grad_hidden * grad_output.to(grad_hidden.dtype) if grad_hidden is not None else None
-        gw = (grad_weight * grad_output).to(ctx.weight_dtype) if grad_weight is not None else None
+        hidden_dtype, weight_dtype = ctx.dtypes
+        gh = (grad_hidden * grad_output.to(grad_hidden.dtype)).to(hidden_dtype) if grad_hidden is not None else None
+        gw = (grad_weight * grad_output).to(weight_dtype) if grad_weight is not None else None
         return gh, gw, None, None, None
 
 

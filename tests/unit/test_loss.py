@@ -70,3 +70,24 @@ def test_compiled_chunk_equals_eager():
     fused.backward()
     assert torch.allclose(fused, plain, rtol=1e-6)
     assert torch.allclose(y.grad, x.grad, atol=1e-6)
+
+
+def test_under_bf16_autocast_with_fp32_master_weights():
+    """DDP's mixed precision: fp32 hidden states and head weight, matmuls in bf16 under
+    autocast. The gradients come back in the inputs' dtypes and match the plain loss's
+    within bf16 rounding."""
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(64, 32, generator=g, requires_grad=True)
+    weight = torch.randn(300, 32, generator=g, requires_grad=True)
+    labels = torch.randint(0, 300, (64,), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = F.cross_entropy((hidden @ weight.T).float(), labels, reduction="sum")
+    ref.backward()
+    gh, gw = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = chunked_cross_entropy(hidden, weight, labels, chunk=16)
+    out.backward()
+    assert hidden.grad.dtype == weight.grad.dtype == torch.float32
+    assert torch.allclose(out, ref, rtol=1e-3)
+    assert (hidden.grad - gh).norm() <= 2e-2 * gh.norm() and (weight.grad - gw).norm() <= 2e-2 * gw.norm()
