@@ -114,7 +114,10 @@ def parallelize_qwen2(model: Qwen2, dims: ParallelDims, mesh: DeviceMesh, cfg: C
     if dims.world_size == 1:
         return model
     device_ids = [torch.cuda.current_device()] if mesh.device_type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, process_group=mesh["dp_replicate"].get_group())
+    # gradient_as_bucket_view: gradients live in the all-reduce buckets themselves, saving a
+    # copy of every gradient into and out of the buckets each step (and that memory).
+    return DistributedDataParallel(model, device_ids=device_ids, process_group=mesh["dp_replicate"].get_group(),
+                                   gradient_as_bucket_view=True)
 
 
 def unwrap(module: nn.Module) -> Qwen2:
