@@ -86,9 +86,11 @@ class TrainingConfig:
     activation_checkpointing: str = opt("none", "`full` recomputes each decoder block in the backward pass "
                                                 "(less memory, about a third more compute).", choices=("none", "full"))
     compile: bool = opt(False, "torch.compile each decoder block.")
-    attention_kernel: str = opt("auto", "Causal attention kernel behind SDPA on GPU: auto (PyTorch's choice), flash, "
-                                        "cudnn or efficient. Only that kernel is allowed: a shape it cannot run is "
-                                        "an error, not a silent fallback. See bench/results/attention_kernels.md.",
+    attention_kernel: str = opt("auto", "Causal attention kernel behind SDPA on GPU: flash, cudnn or efficient; "
+                                        "auto: cudnn on Hopper and newer (1.3-1.9x flash's speed there, measured), "
+                                        "PyTorch's choice elsewhere. Only the chosen kernel is allowed: a shape it "
+                                        "cannot run is an error, not a silent fallback. See "
+                                        "bench/results/attention_kernels.md.",
                                 choices=("auto", "flash", "cudnn", "efficient"))
     fused_loss: bool = opt(False, "Compute the output head and the cross-entropy together, chunk by chunk, never "
                                   "holding the logits of more than 4096 tokens (saves ~1.5 MB per token with Qwen2's "

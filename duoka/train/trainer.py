@@ -116,9 +116,14 @@ def document_kernel(choice: str, device: torch.device) -> str:
 def select_attention_kernel(choice: str, device: torch.device) -> None:
     """training.attention_kernel: restrict SDPA to one GPU kernel for this process (the
     switches are read when a block is compiled too). The math fallback goes off with the
-    others, so a shape the kernel cannot run fails loudly instead of running slowly."""
+    others, so a shape the kernel cannot run fails loudly instead of running slowly.
+    auto: cuDNN's attention on compute capability 9.0+, where it ran causal attention for
+    every Qwen2 shape 1.3-1.9x faster than flash, gradients within bf16 rounding
+    (bench/results/attention_kernels.md); elsewhere PyTorch's own order."""
     if choice == "auto":
-        return
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+            return
+        choice = "cudnn"
     if device.type != "cuda":
         raise DuokaError(f"training.attention_kernel={choice} selects a GPU kernel and this run is on CPU",
                          "use --training.attention_kernel=auto")
