@@ -147,6 +147,16 @@ class ParallelConfig:
                                  "of a block and of the head, timed on the GPUs at start), or an explicit "
                                  "comma-separated list of layer counts per stage, e.g. \"6,8,8,6\".")
     pp_microbatches: int = opt(0, "Micro-batches per pipeline step; 0: the per-rank batch / micro_batch_size.", min=0)
+    balance: str = opt("off", "Shares of each global batch per data-parallel rank: off (equal), static (in "
+                              "proportion to balance_weights), auto (follow each GPU's measured speed, re-balanced "
+                              "while training; starts from balance_weights when given). The gradient is the "
+                              "equal split's either way. See docs/training.md#load-balancing.",
+                       choices=("off", "static", "auto"))
+    balance_weights: str = opt("", "Relative speed per data-parallel rank, comma-separated (e.g. \"1,1,0.5,1\"), "
+                                   "for balance=static or as auto's start; `duoka doctor --bench` measures them.")
+    balance_window: int = opt(8, "auto: steps of measurements (their median per rank) behind each decision.", min=2)
+    balance_hysteresis: float = opt(0.05, "auto: change the shares only if the predicted step time falls by at least "
+                                          "this fraction.", min=0.0, max=0.9)
 
 
 @dataclass
@@ -176,6 +186,13 @@ class MetricsConfig:
 
 
 @dataclass
+class DebugConfig:
+    slow_ranks: str = opt("", "Fault injection for tests and demos: \"RANK:FACTOR,...\" makes each named rank run "
+                              "at FACTOR of its speed (1:0.5 = rank 1 at half speed): its decoder blocks wait in "
+                              "proportion to their own measured compute time.")
+
+
+@dataclass
 class Config:
     job: JobConfig = field(default_factory=JobConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -185,6 +202,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

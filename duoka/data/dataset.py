@@ -276,6 +276,17 @@ def rank_batches(dataset, step: int, global_batch: int, micro_batch: int, dp_ran
     return [torch.stack([dataset[i] for i in indices[k : k + micro_batch]]) for k in range(0, per_rank, micro_batch)]
 
 
+def share_batches(dataset, step: int, global_batch: int, offset: int, sizes: list[int],
+                  seed: int) -> list[torch.Tensor]:
+    """A load-balanced rank's micro-batches for `step`: its contiguous slice
+    [offset, offset + sum(sizes)) of the step's global sample order, cut into micro-batches
+    of the given sizes (duoka.parallel.balance). With equal shares and full micro-batches
+    this is rank_batches."""
+    indices = global_batch_indices(step, global_batch, len(dataset), seed)[offset:offset + sum(sizes)]
+    starts = [sum(sizes[:k]) for k in range(len(sizes))]
+    return [torch.stack([dataset[i] for i in indices[a:a + n]]) for a, n in zip(starts, sizes)]
+
+
 class Prefetcher:
     """Builds the next steps' micro-batches in a background thread, in pinned memory on
     GPU machines, so the training loop only waits when the host falls behind; that wait

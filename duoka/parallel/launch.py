@@ -94,16 +94,7 @@ def launch_training(
     gpus: str | None = None,
     log=print,
 ) -> Path:
-    from duoka.data.dataset import RANDOM_DATA, PackedWindows, end_of_text_id, tokenize_corpus
-    from duoka.data.prepare import MANIFEST, is_prepared
-    from duoka.data.sft import prepare_sft
-    from duoka.hub import bundled_corpus
-    from duoka.data.tokenizer import Tokenizer
     from duoka.parallel.devices import device_env, read_gpus, select_gpus
-    from duoka.parallel.dims import ParallelDims
-    from duoka.train.checkpoint import find_resume_checkpoint, read_train_state
-    from duoka.train.optim import plan_batch
-    from duoka.train.trainer import WorkerSpec
 
     cfg = load_config(config_path, overrides)
     if nnodes < 1 or not 0 <= node_rank < nnodes:
@@ -131,11 +122,30 @@ def launch_training(
     if nproc_per_node < 1:
         raise DuokaError(f"--nproc-per-node {nproc_per_node} must be >= 1")
     world = nproc_per_node * nnodes
+    if not gpu_list and "OMP_NUM_THREADS" not in os.environ and nproc_per_node > 1:
+        # CPU workers share the cores; without this each starts one thread per core and
+        # they oversubscribe the machine (torchrun sets 1; a fair share is faster).
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc_per_node))
+    os.environ.update(env)  # the worker environment is complete: the worker server may start
+    if world > 1:
+        _start_worker_server()
+
+    from duoka.data.dataset import RANDOM_DATA, PackedWindows, end_of_text_id, tokenize_corpus
+    from duoka.data.prepare import MANIFEST, is_prepared
+    from duoka.data.sft import prepare_sft
+    from duoka.data.tokenizer import Tokenizer
+    from duoka.hub import bundled_corpus
+    from duoka.parallel.balance import check_config as check_balance_config
+    from duoka.parallel.dims import ParallelDims
+    from duoka.train.checkpoint import find_resume_checkpoint, read_train_state
+    from duoka.train.optim import plan_batch
+    from duoka.train.trainer import WorkerSpec
 
     # Everything a worker would otherwise discover late.
     args, model_dir, tokenizer_dir = resolve_model(cfg)
     dims = ParallelDims.from_config(cfg.parallel, world)
     dims.check_model(args.n_heads, args.n_kv_heads, args.n_layers, cfg.parallel.pp_stages_per_rank)
+    check_balance_config(cfg.parallel, cfg.debug, dims.model_parallel, dims.tp, dims.pp, dims.dp_size, world)
     if dims.pp > 1 and cfg.parallel.pp_layers != "measured":
         from duoka.models.qwen2.pipeline import layer_counts
 
@@ -210,11 +220,6 @@ def launch_training(
                       model_dir=str(model_dir) if model_dir else None, token_file=token_file,
                       tokenizer_files=tokenizer_files, resume_from=str(resume_from) if resume_from else None,
                       end_of_text=end_of_text)
-    if not gpu_list and "OMP_NUM_THREADS" not in os.environ and nproc_per_node > 1:
-        # CPU workers share the cores; without this each starts one thread per core and
-        # they oversubscribe the machine (torchrun sets 1; a fair share is faster).
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc_per_node))
-    os.environ.update(env)
     log(f"duoka: {world} process(es) ({nnodes} node(s) x {nproc_per_node}), run directory {run_dir}")
     _run_workers(spec, nproc_per_node, nnodes, node_rank, rdzv_endpoint, log)
     stopped = run_dir / STOPPED_MARKER
@@ -278,15 +283,10 @@ def _run_workers(spec, nproc_per_node: int, nnodes: int, node_rank: int, rdzv_en
         run_id=os.environ.get("DUOKA_RUN_ID") or str(uuid.uuid5(uuid.NAMESPACE_URL, endpoint)),
         rdzv_backend="c10d", rdzv_endpoint=endpoint,
         rdzv_configs={"is_host": node_rank == 0, "join_timeout": 600} if nnodes > 1 else {"is_host": True},
-        max_restarts=0, monitor_interval=0.5, start_method="forkserver",
+        max_restarts=0, monitor_interval=0.1, start_method="forkserver",
         **_shutdown_timeout(),
     )
-    # Workers are forked from one server process that has imported torch and the trainer
-    # once (4 s on a busy core) instead of each importing them afresh as under spawn; the
-    # server never touches CUDA, so its children initialise CUDA cleanly, as with spawn.
-    import multiprocessing
-
-    multiprocessing.set_forkserver_preload(["duoka.train.trainer"])
+    _start_worker_server()  # already running unless this is a single-process job
     _quiet_agent_logs()
     try:
         elastic_launch(config, worker_main)(spec)
@@ -297,6 +297,20 @@ def _run_workers(spec, nproc_per_node: int, nnodes: int, node_rank: int, rdzv_en
     except ChildFailedError:
         _raise_worker_error(spec.run_dir)
         raise
+
+
+def _start_worker_server() -> None:
+    """Workers are forked from one server process that has imported torch and the trainer
+    once (4 s on a busy core) instead of each importing them afresh as under spawn; the
+    server never touches CUDA, so its children initialise CUDA cleanly, as with spawn.
+    Started as soon as the worker environment (GPU selection, thread counts) is final, its
+    import runs while this process checks the config, model and data. The elastic
+    launcher's forkserver start method then uses this same server."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    multiprocessing.set_forkserver_preload(["duoka.train.trainer"])
+    forkserver.ensure_running()
 
 
 def _shutdown_timeout() -> dict:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
 
 from duoka.config import Config
-from duoka.data.dataset import PackedWindows, Prefetcher, RandomTokens, rank_batches, step_inputs
+from duoka.data.dataset import PackedWindows, Prefetcher, RandomTokens, share_batches, step_inputs
 from duoka.data.sft import SFTWindows
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import ModelArgs
@@ -43,6 +43,8 @@ from duoka.models.qwen2.hf_adapter import load_hf_weights, save_hf_state_dict
 from duoka.models.qwen2.model import build_model
 from duoka.models.qwen2.parallelize import parallelize_qwen2, unwrap
 from duoka.monitor.metrics import MetricsFile, mfu, peak_flops
+from duoka.parallel.balance import Balancer, BlockTimer, parse_rank_factors
+from duoka.parallel.balance import check_config as check_balance_config
 from duoka.parallel.dims import ParallelDims
 from duoka.plan.memory import largest_fitting_micro_batch
 from duoka.train.checkpoint import async_stager, load_checkpoint, save_checkpoint
@@ -133,6 +135,12 @@ def select_attention_kernel(choice: str, device: torch.device) -> None:
     torch.backends.cuda.enable_math_sdp(False)
 
 
+# The data thread builds up to PREFETCH_DEPTH + 1 steps ahead of the one training. New
+# balance shares therefore take effect PREFETCH_DEPTH + 2 steps after the step that decided
+# them: no batch already built is ever cut by stale shares.
+PREFETCH_DEPTH = 2
+
+
 class Trainer:
     def __init__(self, spec: WorkerSpec):
         self.spec = spec
@@ -177,6 +185,13 @@ class Trainer:
         self.fused_loss = cfg.training.fused_loss and not self.dims.model_parallel
         # Compiling the plain loss fuses away the fp32 logits (not under tp: loss_parallel's DTensors).
         self.compile_loss = cfg.training.compile and self.dims.tp == 1
+        # Load balancing measures each block's forward on this rank; debug.slow_ranks slows
+        # the named ranks' blocks (fault injection for tests and demos).
+        self.balance_weights = check_balance_config(cfg.parallel, cfg.debug, self.dims.model_parallel, self.dims.tp,
+                                                    self.dims.pp, self.dp_size, self.world)
+        self.slow_factor = parse_rank_factors(cfg.debug.slow_ranks, self.world).get(self.rank, 1.0)
+        self.block_timer = BlockTimer(self.device, self.slow_factor) \
+            if cfg.parallel.balance != "off" or self.slow_factor < 1 else None
         self.model = self._build_pipeline() if self.dims.pp > 1 else self._build_model()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # Parameters whose gradients enter the norm: a last pipeline stage's copy of the
@@ -197,6 +212,11 @@ class Trainer:
         if mb == "auto":
             mb = self._auto_micro_batch()
         self.batch = plan_batch(cfg.training.global_batch_size, self.dp_size, mb)
+        # FSDP2 gathers parameters in every micro-batch: equal micro-batch counts on all ranks.
+        self.balancer = Balancer(cfg.parallel.balance, self.dp_size, cfg.training.global_batch_size,
+                                 self.batch.micro_batch, equal_count=self.dims.fsdp, weights=self.balance_weights,
+                                 window=cfg.parallel.balance_window, hysteresis=cfg.parallel.balance_hysteresis,
+                                 lag=PREFETCH_DEPTH + 2)  # see PREFETCH_DEPTH
         if self.dims.pp > 1:
             self._build_schedule()
 
@@ -214,6 +234,9 @@ class Trainer:
             t = time.perf_counter()
             state = load_checkpoint(Path(spec.resume_from), self.model, self.optimizer)
             self.start_step, self.tokens_seen = state["step"], state["tokens"]
+            if "balance" in state and not self.balancer.load_state_dict(state["balance"]) and self.rank == 0:
+                _Console().out.print("balance: the checkpoint's shares were for another data-parallel size or "
+                                     "global batch; starting from equal shares")
             if self.rank == 0:
                 _Console().out.print(f"loaded {spec.resume_from} in {time.perf_counter() - t:.1f} s")
         # A preempted job gets SIGTERM: finish the step, save, then stop (see train()).
@@ -230,14 +253,14 @@ class Trainer:
         model = build_model(self.args)  # meta: no memory yet
         model.attention_backend = self.document_kernel
         if self.dims.fsdp:
-            model = parallelize_qwen2(model, self.dims, self.mesh, cfg, self.compute_dtype)
+            model = parallelize_qwen2(model, self.dims, self.mesh, cfg, self.compute_dtype, self.block_timer)
             model.to_empty(device=self.device)  # each rank allocates only its shards
             self._fill(model)
             return model
         model.to_empty(device=self.device)
         model.tie_weights()
         self._fill(model)
-        return parallelize_qwen2(model, self.dims, self.mesh, cfg, self.compute_dtype)
+        return parallelize_qwen2(model, self.dims, self.mesh, cfg, self.compute_dtype, self.block_timer)
 
     def _build_pipeline(self):
         """This rank's pipeline stages, each parallelized like a whole model (TP, AC,
@@ -257,7 +280,7 @@ class Trainer:
         for sid in self.stage_ids:
             part = build_stage_model(self.args, sid, self.stage_counts)
             part.attention_backend = self.document_kernel
-            part = parallelize_qwen2(part, dims, self.mesh, cfg, self.compute_dtype)
+            part = parallelize_qwen2(part, dims, self.mesh, cfg, self.compute_dtype, self.block_timer)
             part.to_empty(device=self.device)
             self._fill(part)
             parts.append(part)
@@ -272,19 +295,29 @@ class Trainer:
         return ModelParts(parts)
 
     def _measured_stage_counts(self, n_stages: int) -> list[int]:
-        """pp_layers=measured: time a block and the head on this GPU, take every rank's
-        slowest figures (a stage runs at its slowest rank's pace), balance the stages."""
-        from duoka.models.qwen2.pipeline import balanced_counts, measure_stage_costs
+        """pp_layers=measured: time a block and the head on every GPU. A stage runs at the
+        pace of the slowest rank holding it; when the stages' paces differ by more than 10%
+        (GPUs of different speed) the layers split in inverse proportion, otherwise (timing
+        noise) all stages count as the slowest and split evenly."""
+        from duoka.models.qwen2.pipeline import balanced_counts, balanced_counts_uneven, measure_stage_costs
 
         mb = self.cfg.training.micro_batch_size
         mb = 1 if mb == "auto" else mb  # the ratio of the two costs barely depends on it
-        costs = torch.tensor(measure_stage_costs(self.args, mb, self.cfg.training.seq_len, self.device,
-                                                 self.compute_dtype), device=self.device)
-        dist.all_reduce(costs, op=dist.ReduceOp.MAX)
-        layer, head = costs.tolist()
-        counts = balanced_counts(self.args.n_layers, n_stages, layer, head)
+        layer, head = measure_stage_costs(self.args, mb, self.cfg.training.seq_len, self.device, self.compute_dtype)
+        # debug.slow_ranks: the slowed blocks will take 1/factor as long in training too.
+        mine = torch.tensor([layer, head], device=self.device, dtype=torch.float64) / self.slow_factor
+        gathered = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(gathered, mine)
+        by_pp = torch.stack(gathered).view(self.dims.pp, -1, 2).amax(dim=1)  # ranks are pp-major
+        stage_layer = [float(by_pp[s % self.dims.pp, 0]) for s in range(n_stages)]  # stage s on pp rank s % pp
+        head = float(by_pp[(n_stages - 1) % self.dims.pp, 1])
+        if max(stage_layer) > 1.1 * min(stage_layer):
+            counts = balanced_counts_uneven(self.args.n_layers, stage_layer, head)
+        else:
+            counts = balanced_counts(self.args.n_layers, n_stages, max(stage_layer), head)
         if self.rank == 0:
-            _Console().out.print(f"pipeline stages by measured cost: a block {layer * 1e3:.1f} ms, the head "
+            blocks = ", ".join(f"{c * 1e3:.1f}" for c in stage_layer)
+            _Console().out.print(f"pipeline stages by measured cost: a block [{blocks}] ms per stage, the head "
                                  f"{head * 1e3:.1f} ms (forward + backward) -> layers {counts}")
         return counts
 
@@ -417,9 +450,9 @@ class Trainer:
         prefetch = Prefetcher(
             lambda s: [step_inputs(b, IGNORE_INDEX, self.eot, self.document_kernel == "varlen" and self.dims.pp == 1,
                                    always_positions=self.dims.model_parallel)
-                       for b in rank_batches(self.data, s, cfg.training.global_batch_size, self.batch.micro_batch,
-                                             self.dp_rank, self.dp_size, cfg.training.seed)],
-            self.start_step, steps, pin=self.device.type == "cuda")
+                       for b in share_batches(self.data, s, cfg.training.global_batch_size,
+                                              *self.balancer.plan(s, self.dp_rank), cfg.training.seed)],
+            self.start_step, steps, pin=self.device.type == "cuda", depth=PREFETCH_DEPTH)
         # Pipeline stages split the batch themselves and cannot split varlen offsets by
         # sample: under pp the model derives them from the document ids on the device.
         try:
@@ -482,8 +515,11 @@ class Trainer:
             # and whether any rank was asked to stop (SIGTERM), so all stop at the same step.
             counted = self.counts_for_metrics
             peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
+            compute_s = self.block_timer.step_seconds() if self.block_timer is not None else 0.0
+            samples = sum(len(b["tokens"]) for b in host)
             mine = torch.tensor([loss_sum.item() if counted else 0.0, local_tokens if counted else 0, step_time, t_data,
-                                 float(self.stop_requested), peak], device=self.device, dtype=torch.float64)
+                                 float(self.stop_requested), peak, compute_s, samples], device=self.device,
+                                dtype=torch.float64)
             gathered = [torch.zeros_like(mine) for _ in range(self.world)]
             dist.all_gather(gathered, mine)
             per_rank = torch.stack(gathered).cpu()
@@ -495,6 +531,8 @@ class Trainer:
             if self.device.type == "cuda":  # the largest over ranks (pipeline stages differ)
                 record["peak_mem_gib"] = float(per_rank[:, 5].max())
                 record["per_rank"]["peak_mem_gib"] = [float(r[5]) for r in per_rank]
+            if self.balancer.mode != "off":
+                record["balance"] = self._balance_step(step, per_rank, console)
             if metrics:
                 metrics.write(record)
             if console and ((step + 1) % cfg.metrics.log_interval == 0 or step + 1 == steps or step == 0):
@@ -520,6 +558,19 @@ class Trainer:
         final = self.export(steps) if cfg.checkpoint.export_final else None
         if console:
             console.done(self.run_dir, final, time.perf_counter() - started)
+
+    def _balance_step(self, step: int, per_rank: torch.Tensor, console) -> dict:
+        """Feed the balancer the step's gathered block times and sample counts (one row per
+        rank; a data-parallel rank's figure is its first rank's, which are all of them
+        without tp or pp); log a change of shares. Returns the metrics.jsonl `balance` entry."""
+        seconds, samples = [float(r[6]) for r in per_rank], [int(r[7]) for r in per_rank]
+        shares = self.balancer.shares_for(step)
+        message = self.balancer.observe(step, seconds, samples)
+        if message and console:
+            console.out.print(message)
+        return {"mode": self.balancer.mode, "shares": shares, "next_shares": self.balancer.shares_for(step + 1),
+                "forward_s": seconds,
+                "speed": [n / t if t > 0 else None for n, t in zip(samples, seconds)]}
 
     def _record(self, step: int, per_rank: torch.Tensor, tokens_seen: int, lr: float, grad_norm: float) -> dict:
         """The metrics.jsonl line (design.md's contract) from the gathered per-rank rows
@@ -562,7 +613,7 @@ class Trainer:
         t = time.perf_counter()
         self._finish_pending_save()  # one save in flight at a time (waiting for it blocks training too)
         train_state = {"tokens": self.tokens_seen, "model_args": self.spec.model_args, "config": self.spec.config,
-                       "dp_size": self.dp_size, "world_size": self.world}
+                       "dp_size": self.dp_size, "world_size": self.world, "balance": self.balancer.state_dict()}
         result = save_checkpoint(self.run_dir, step, self.model, self.optimizer, train_state,
                                  self.spec.tokenizer_files, self.cfg.checkpoint.keep, self.async_group,
                                  self.cfg.checkpoint.write_threads, self.stager)

@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from duoka.config import Config
 from duoka.models.qwen2.model import Qwen2
+from duoka.parallel.balance import BlockTimer
 from duoka.parallel.dims import ParallelDims
 
 # TransformerBlock calls attention(x, cos, sin, cache, layer, input_pos, mask): only x is
@@ -68,11 +69,13 @@ def apply_tensor_parallel(model: Qwen2, tp_mesh: DeviceMesh) -> None:
     model.tie_weights()
 
 
-def parallelize_qwen2(model: Qwen2, dims: ParallelDims, mesh: DeviceMesh, cfg: Config, compute_dtype: torch.dtype):
+def parallelize_qwen2(model: Qwen2, dims: ParallelDims, mesh: DeviceMesh, cfg: Config, compute_dtype: torch.dtype,
+                      block_timer: BlockTimer | None = None):
     """Returns the module to train (the model itself, sharded in place, or a DDP wrapper).
 
     Called on the meta device for FSDP (sharding happens before any memory is taken);
-    DDP needs real storage, so the caller materialises first for ddp."""
+    DDP needs real storage, so the caller materialises first for ddp. block_timer (load
+    balancing, debug slowdown) goes around every block's forward."""
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
     if cfg.training.activation_checkpointing == "full":
@@ -80,18 +83,24 @@ def parallelize_qwen2(model: Qwen2, dims: ParallelDims, mesh: DeviceMesh, cfg: C
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
     if cfg.training.compile:
         for block in model.layers.values():
-            if dims.tp > 1:
+            if dims.tp > 1 or block_timer is not None:
                 # The tensor-parallel plan's input/output hooks must stay outside the
                 # compiled region: a whole compiled block gave wrong gradients (torch 2.13),
                 # this way the gradients equal one process's (checked by hand, see the
                 # issue-5 note; too slow to compile in CI). Compiling the
                 # attention and MLP bodies still removes DTensor's dispatch from the matmuls.
+                # The block timer's CUDA events must stay outside the compiled region too.
                 block.attention.forward = torch.compile(block.attention.forward, fullgraph=True)
                 block.feed_forward.forward = torch.compile(block.feed_forward.forward, fullgraph=True)
             else:
                 block.compile(fullgraph=True)  # in place: parameter names stay the same
         # The fused loss's softmax pass too (not under tp: its logits are DTensors in loss_parallel).
         model.compile_loss = dims.tp == 1
+    if block_timer is not None:
+        # Wrapping forward (not the module call) keeps the timer after FSDP2's pre-forward
+        # hook: the interval starts once the block's parameters are gathered.
+        for block in model.layers.values():
+            block.forward = block_timer.wrap(block.forward)
 
     if dims.fsdp:
         # bf16 parameters for compute, fp32 gradient reduction, fp32 master weights in the

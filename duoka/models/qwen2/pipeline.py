@@ -82,6 +82,34 @@ def balanced_counts(n_layers: int, n_stages: int, layer_cost: float, head_cost: 
     return [base + (1 if i >= n_stages - 1 - extra else 0) for i in range(n_stages - 1)] + [last]
 
 
+def balanced_counts_uneven(n_layers: int, layer_costs: list[float], head_cost: float) -> list[int]:
+    """Contiguous split when stage s costs layer_costs[s] per layer (GPUs of different
+    speed), the head on the last stage: the split whose slowest stage is fastest, found by
+    dynamic programming over (stages, layers). Every stage but the last keeps a layer."""
+    n_stages = len(layer_costs)
+    inf = float("inf")
+    # best[k]: the smallest achievable slowest-stage cost for the first k layers on the stages so far
+    best = [0.0] + [inf] * n_layers
+    choice: list[list[int]] = []
+    for s, cost in enumerate(layer_costs):
+        last = s == n_stages - 1
+        new, took = [inf] * (n_layers + 1), [0] * (n_layers + 1)
+        for k in range(n_layers + 1):
+            for m in range(0 if last else 1, k + 1):
+                if best[k - m] == inf:
+                    continue
+                value = max(best[k - m], m * cost + (head_cost if last else 0.0))
+                if value < new[k]:
+                    new[k], took[k] = value, m
+        best = new
+        choice.append(took)
+    counts, k = [], n_layers
+    for s in reversed(range(n_stages)):
+        counts.append(choice[s][k])
+        k -= choice[s][k]
+    return counts[::-1]
+
+
 def measure_stage_costs(args: ModelArgs, micro_batch: int, seq_len: int, device: torch.device,
                         dtype: torch.dtype, repeats: int = 5) -> tuple[float, float]:
     """Seconds for the forward and backward of one decoder block and of the output head

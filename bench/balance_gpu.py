@@ -1,0 +1,113 @@
+"""Load balancing on 2 GPUs with one GPU slowed (issue 7): throughput with balance off and
+auto, against the ideal (the sum of each GPU's solo speed under the same slowdown).
+
+    python bench/balance_gpu.py --out $OUT/balance.json [--model qwen2-0.5b] [--competitor]
+
+Slowdown by the option (`--debug.slow_ranks=1:0.5`) and, with --competitor, by a real
+competing process running bf16 matrix products on GPU 1. Throughput is taken over the
+steps after the last change of shares (auto) or the same late steps (off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+COMPETITOR = """
+import torch, time
+a = torch.randn(8192, 8192, device='cuda', dtype=torch.bfloat16)
+end = time.time() + {seconds}
+while time.time() < end:
+    for _ in range(20):
+        a = (a @ a).clamp_(-1, 1)
+    torch.cuda.synchronize()
+"""
+
+
+def train(run: Path, model: str, nproc: int, extra: list[str], steps: int, devices: str, mb: int,
+          window: int) -> list[dict]:
+    cmd = [sys.executable, "-m", "duoka.cli", "train", f"--job.output_dir={run}", f"--model.flavor={model}",
+           "--data.path=random", "--training.seq_len=2048", f"--training.micro_batch_size={mb}",
+           f"--training.global_batch_size={4 * mb * nproc}", f"--training.steps={steps}",
+           "--checkpoint.enabled=false", "--checkpoint.export_final=false", "--metrics.log_interval=5",
+           f"--nproc-per-node={nproc}", f"--parallel.balance_window={window}", *extra]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": devices}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stderr[-3000:])
+    (run.parent / f"{run.name}.log").write_text(proc.stderr)
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def throughput(recs: list[dict], last: int) -> float:
+    tail = recs[-last:]
+    return sum(r["tokens_per_s"] * r["step_time_s"] for r in tail) / sum(r["step_time_s"] for r in tail)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model", default="qwen2-0.5b")
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--last", type=int, default=8, help="timed steps at the end")
+    ap.add_argument("--window", type=int, default=4)
+    ap.add_argument("--competitor", action="store_true")
+    a = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="duoka-balance-"))
+    result = {"model": a.model, "micro_batch": a.micro_batch, "steps": a.steps, "timed_last": a.last, "cases": {}}
+
+    def case(name, nproc, extra, devices, competitor_gpu=None):
+        comp = None
+        if competitor_gpu is not None:
+            comp = subprocess.Popen([sys.executable, "-c", COMPETITOR.format(seconds=300)],
+                                    env={**os.environ, "CUDA_VISIBLE_DEVICES": competitor_gpu})
+            time.sleep(5)
+        try:
+            t0 = time.time()
+            recs = train(work / name, a.model, nproc, extra, a.steps, devices, a.micro_batch, a.window)
+        finally:
+            if comp is not None:
+                comp.kill()
+        r = {"tokens_per_s": throughput(recs, a.last), "wall_s": time.time() - t0,
+             "shares": [x.get("balance", {}).get("shares") for x in recs],
+             "speed": [x.get("balance", {}).get("speed") for x in recs]}
+        result["cases"][name] = r
+        print(name, json.dumps({k: v for k, v in r.items() if k not in ("shares", "speed")}),
+              "final shares", r["shares"][-1], flush=True)
+        Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+        return r
+
+    # Solo speeds under the same slowdown, both at once (one GPU each): GPU 0 normal, GPU 1 at half speed.
+    with ThreadPoolExecutor(2) as pool:
+        solos = [pool.submit(case, "solo_gpu0", 1, [], "0"),
+                 pool.submit(case, "solo_gpu1_slow_option", 1, ["--debug.slow_ranks=0:0.5"], "1")]
+        for f in solos:
+            f.result()
+    off = case("option_off", 2, ["--debug.slow_ranks=1:0.5"], "0,1")
+    auto = case("option_auto", 2, ["--debug.slow_ranks=1:0.5", "--parallel.balance=auto"], "0,1")
+    ideal = result["cases"]["solo_gpu0"]["tokens_per_s"] + result["cases"]["solo_gpu1_slow_option"]["tokens_per_s"]
+    result["option"] = {"auto_vs_off": auto["tokens_per_s"] / off["tokens_per_s"],
+                        "auto_vs_ideal": auto["tokens_per_s"] / ideal, "ideal_tokens_per_s": ideal}
+    if a.competitor:
+        case("solo_gpu1_competitor", 1, [], "1", competitor_gpu="1")
+        off = case("competitor_off", 2, [], "0,1", competitor_gpu="1")
+        auto = case("competitor_auto", 2, ["--parallel.balance=auto"], "0,1", competitor_gpu="1")
+        ideal = result["cases"]["solo_gpu0"]["tokens_per_s"] + result["cases"]["solo_gpu1_competitor"]["tokens_per_s"]
+        result["competitor"] = {"auto_vs_off": auto["tokens_per_s"] / off["tokens_per_s"],
+                                "auto_vs_ideal": auto["tokens_per_s"] / ideal, "ideal_tokens_per_s": ideal}
+    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: result[k] for k in ("option", "competitor") if k in result}))
+
+
+if __name__ == "__main__":
+    main()
