@@ -34,12 +34,12 @@ while time.time() < end:
 
 
 def train(run: Path, model: str, nproc: int, extra: list[str], steps: int, devices: str, mb: int,
-          window: int) -> list[dict]:
+          window: int, seq: int, compile_flag: list[str]) -> list[dict]:
     cmd = [sys.executable, "-m", "duoka.cli", "train", f"--job.output_dir={run}", f"--model.flavor={model}",
-           "--data.path=random", "--training.seq_len=2048", f"--training.micro_batch_size={mb}",
+           "--data.path=random", f"--training.seq_len={seq}", f"--training.micro_batch_size={mb}",
            f"--training.global_batch_size={4 * mb * nproc}", f"--training.steps={steps}",
            "--checkpoint.enabled=false", "--checkpoint.export_final=false", "--metrics.log_interval=5",
-           f"--nproc-per-node={nproc}", f"--parallel.balance_window={window}", *extra]
+           f"--nproc-per-node={nproc}", f"--parallel.balance_window={window}", *compile_flag, *extra]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": devices}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode != 0:
@@ -57,10 +57,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="qwen2-0.5b")
-    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--last", type=int, default=8, help="timed steps at the end")
     ap.add_argument("--window", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--eager", action="store_true", help="no torch.compile (run 1 was eager and launch-bound)")
     ap.add_argument("--competitor", action="store_true")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="duoka-balance-"))
@@ -74,7 +76,8 @@ def main() -> None:
             time.sleep(5)
         try:
             t0 = time.time()
-            recs = train(work / name, a.model, nproc, extra, a.steps, devices, a.micro_batch, a.window)
+            recs = train(work / name, a.model, nproc, extra, a.steps, devices, a.micro_batch, a.window, a.seq,
+                         [] if a.eager else ["--training.compile=true"])
         finally:
             if comp is not None:
                 comp.kill()

@@ -201,61 +201,48 @@ class BlockTimer:
 
     wrap() goes around a block's forward (compiled or not) and therefore runs after the
     block's FSDP2 pre-forward hook: on GPU the start event is queued behind the stream's
-    wait for the all-gather, so the interval is this GPU's compute only. `slow_factor`
-    < 1 (debug.slow_ranks) makes the block take 1/slow_factor as long: the extra is a
-    GPU-side spin (torch.cuda._sleep, no host sync) sized from the previous step's block
-    time, or a sleep on CPU; the backward pass gets twice the forward's extra (a block's
-    backward costs about two forwards)."""
+    wait for the all-gather, so the interval is this GPU's own work (plus any gaps in
+    which the host has not yet launched it: a launch-bound run measures its host's pace,
+    which is then what sets its speed). Wall clock on CPU.
+
+    `slow_factor` < 1 (debug.slow_ranks) makes the rank 1/slow_factor times slower: after
+    each block's forward the host waits for the device, then sleeps (1/slow_factor - 1)
+    times the block's elapsed time, and twice that in its backward (a backward costs about
+    two forwards). The sleep lies inside the measured interval, as a slower GPU's extra
+    time would. (A GPU-side spin sized from event times does not do this: in a launch-
+    bound run it only fills idle gaps; measured on H200, bench/results/balance_gpu.md.)"""
 
     def __init__(self, device: torch.device, slow_factor: float = 1.0):
         self.cuda = device.type == "cuda"
+        self.device = device
         self.slow_factor = slow_factor
         self.intervals: list = []
-        self.block_calls = 0
-        self.mean_block_s = 0.0  # the previous step's, for sizing the GPU spin
-        self.cycles_per_s = self._calibrate() if self.cuda and slow_factor < 1 else 0.0
 
-    @staticmethod
-    def _calibrate() -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1000)  # warm-up launch
-        start.record()
-        torch.cuda._sleep(50_000_000)
-        end.record()
-        end.synchronize()
-        return 50_000_000 / (start.elapsed_time(end) / 1e3)
-
-    def _extra_seconds(self, forward_s: float) -> float:
-        return (1.0 / self.slow_factor - 1.0) * forward_s
-
-    def _delay(self, seconds: float) -> None:
-        if seconds <= 0:
-            return
+    def _slow_down(self, started: float) -> float:
+        """Sleep in proportion to the time since `started`; returns the sleep."""
         if self.cuda:
-            torch.cuda._sleep(int(seconds * self.cycles_per_s))
-        else:
-            time.sleep(seconds)
+            torch.cuda.synchronize(self.device)  # debug path only: the block's real duration
+        extra = (1.0 / self.slow_factor - 1.0) * (time.perf_counter() - started)
+        time.sleep(extra)
+        return extra
 
     def wrap(self, forward):
         def timed_forward(*args, **kwargs):
+            started = time.perf_counter()
             if self.cuda:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record()
-            else:
-                start = time.perf_counter()
             out = forward(*args, **kwargs)
             if self.slow_factor < 1:
-                # CPU: this block's own time; GPU: the previous step's mean block time.
-                extra = self._extra_seconds(self.mean_block_s if self.cuda else time.perf_counter() - start)
-                self._delay(extra)
+                extra = self._slow_down(started)
                 if out.requires_grad:
-                    out.register_hook(lambda grad: (self._delay(2 * extra), grad)[1])
+                    out.register_hook(lambda grad: (time.sleep(2 * extra), grad)[1])
             if self.cuda:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
+                self.intervals.append((start, end))
             else:
-                end = time.perf_counter()
-            self.intervals.append((start, end))
+                self.intervals.append((started, time.perf_counter()))
             return out
 
         return timed_forward
@@ -266,9 +253,5 @@ class BlockTimer:
             total = sum(s.elapsed_time(e) for s, e in self.intervals) / 1e3
         else:
             total = sum(e - s for s, e in self.intervals)
-        if self.intervals:
-            # The GPU spin is sized from unslowed time: take the slowdown back out.
-            own = total / len(self.intervals)
-            self.mean_block_s = own * self.slow_factor if self.slow_factor < 1 else own
         self.intervals = []
         return total
