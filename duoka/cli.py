@@ -238,6 +238,44 @@ def run_plan(a: argparse.Namespace) -> int:
     return 0
 
 
+def add_monitor_parser(sub) -> None:
+    p = sub.add_parser("monitor", help="live view of a run (metrics.jsonl) and of this machine's GPUs",
+                       description="Follows RUN_DIR/metrics.jsonl: loss, speed, MFU, the step breakdown, one row "
+                                   "per rank with its GPU's readings, balance shares and alerts. --gpus adds this "
+                                   "machine's GPUs like nvidia-smi, labelled with the run's ranks.")
+    p.add_argument("run_dir", nargs="?", default=None, help="a duoka train job.output_dir")
+    p.add_argument("--gpus", action="store_true", help="show this machine's GPUs (NVML)")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    p.set_defaults(func=run_monitor)
+
+
+def run_monitor(a: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from duoka.monitor.dashboard import monitor
+
+    if a.run_dir is None and not a.gpus:
+        raise DuokaError("nothing to monitor", "give a run directory (duoka monitor runs/my-run) and/or --gpus")
+    monitor(Path(a.run_dir) if a.run_dir else None, a.gpus, a.once, a.interval, Console())
+    return 0
+
+
+def add_report_parser(sub) -> None:
+    p = sub.add_parser("report", help="an HTML report of a run with plots (opens from disk, no server)")
+    p.add_argument("run_dir", help="a duoka train job.output_dir")
+    p.add_argument("--out", default=None, help="default: RUN_DIR/report.html")
+    p.set_defaults(func=run_report)
+
+
+def run_report(a: argparse.Namespace) -> int:
+    from duoka.monitor.report import write_report
+
+    out = write_report(Path(a.run_dir), Path(a.out) if a.out else None)
+    log(f"duoka: wrote {out}")
+    return 0
+
+
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="training throughput, MFU, memory and step breakdown (optionally vs the peer)",
                        description="Runs duoka train on random tokens for warm-up + timed steps on the visible "
@@ -312,6 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_parser(sub)
     add_plan_parser(sub)
     add_bench_parser(sub)
+    add_monitor_parser(sub)
+    add_report_parser(sub)
     return parser
 
 

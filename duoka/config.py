@@ -180,6 +180,15 @@ class MetricsConfig:
     log_interval: int = opt(10, "Print a progress line every this many steps (metrics.jsonl gets every step).", min=1)
     peak_tflops: float = opt(0.0, "Per-device dense bf16 peak for MFU, in TFLOP/s; 0: from the GPU's name "
                                   "(989 for H100/H200 SXM). CPU runs report no MFU.", min=0.0)
+    tensorboard: bool = opt(True, "Write TensorBoard event files to <run>/tensorboard/ (rank 0).")
+    prometheus_port: int = opt(0, "Serve Prometheus metrics (duoka_*) on this port, one endpoint per node on its "
+                                  "first rank covering the node's ranks; 0: off.", min=0, max=65535)
+    prometheus_host: str = opt("127.0.0.1", "Address the Prometheus endpoint binds to (0.0.0.0 for every "
+                                            "interface: only on a trusted network).")
+    gpu_interval_s: float = opt(2.0, "Seconds between NVML readings of each rank's GPU (a background thread; "
+                                     "the step never waits for it).", min=0.1)
+    alerts: bool = opt(True, "Log an alert with its fix when a rank falls behind, a GPU throttles or nears full "
+                             "memory, the data wait exceeds 5% of the step, or MFU is far below this model's.")
     profile_step: int = opt(0, "Record this step with torch.profiler: profile/trace-rank<R>.json (open in "
                                "Perfetto or chrome://tracing) and profile/kernels-rank<R>.json (device time per "
                                "kernel). 0: off.", min=0)

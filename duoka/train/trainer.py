@@ -42,7 +42,10 @@ from duoka.models.qwen2.args import ModelArgs
 from duoka.models.qwen2.hf_adapter import load_hf_weights, save_hf_state_dict
 from duoka.models.qwen2.model import build_model
 from duoka.models.qwen2.parallelize import parallelize_qwen2, unwrap
+from duoka.monitor.alerts import check as check_alerts
+from duoka.monitor.gpu import THROTTLING, GpuSampler, decode_clock_reasons, index_of_uuid, load_nvml
 from duoka.monitor.metrics import MetricsFile, mfu, peak_flops
+from duoka.monitor.sinks import PrometheusSink, TensorBoardSink
 from duoka.parallel.balance import Balancer, BlockTimer, parse_rank_factors
 from duoka.parallel.balance import check_config as check_balance_config
 from duoka.parallel.dims import ParallelDims
@@ -135,6 +138,31 @@ def select_attention_kernel(choice: str, device: torch.device) -> None:
     torch.backends.cuda.enable_math_sdp(False)
 
 
+# What each rank contributes to the per-step all-gather (float64; NaN where not measured).
+ROW_FIELDS = ("loss_sum", "tokens", "step_time", "data_time", "stop", "peak_gib", "forward_s", "samples",
+              "active_gib", "alloc_retries", "ooms", "gpu_index", "gpu_util", "gpu_mem_used", "gpu_mem_total",
+              "gpu_temp", "gpu_power", "gpu_sm_clock", "gpu_clock_mask", "gpu_pcie_tx", "gpu_pcie_rx", "gpu_nvlink_tx",
+              "gpu_nvlink_rx")
+COL = {name: i for i, name in enumerate(ROW_FIELDS)}
+ALERT_WARMUP_STEPS = 3
+
+
+def _gpu_reading(rank: int, row: torch.Tensor) -> dict:
+    """A rank's NVML figures from its gathered row, in metrics.jsonl's `gpus` list."""
+    def value(name, kind=float):
+        x = float(row[COL[name]])
+        return None if math.isnan(x) else kind(x)
+
+    reasons = decode_clock_reasons(value("gpu_clock_mask", int))
+    return {"rank": rank, "index": value("gpu_index", int), "utilization_pct": value("gpu_util", int),
+            "memory_used_bytes": value("gpu_mem_used", int), "memory_total_bytes": value("gpu_mem_total", int),
+            "temperature_c": value("gpu_temp", int), "power_w": value("gpu_power"),
+            "sm_clock_mhz": value("gpu_sm_clock", int), "clock_reasons": reasons,
+            "pcie_tx_bytes_per_s": value("gpu_pcie_tx"), "pcie_rx_bytes_per_s": value("gpu_pcie_rx"),
+            "nvlink_tx_bytes_per_s": value("gpu_nvlink_tx"), "nvlink_rx_bytes_per_s": value("gpu_nvlink_rx"),
+            "throttled": [r for r in reasons if r in THROTTLING]}
+
+
 # The data thread builds up to PREFETCH_DEPTH + 1 steps ahead of the one training. New
 # balance shares therefore take effect PREFETCH_DEPTH + 2 steps after the step that decided
 # them: no batch already built is ever cut by stale shares.
@@ -190,10 +218,15 @@ class Trainer:
         self.balance_weights = check_balance_config(cfg.parallel, cfg.debug, self.dims.model_parallel, self.dims.tp,
                                                     self.dims.pp, self.dp_size, self.world)
         self.slow_factor = parse_rank_factors(cfg.debug.slow_ranks, self.world).get(self.rank, 1.0)
+        # Each rank reads its own GPU through NVML, found by UUID (NVML ignores
+        # CUDA_VISIBLE_DEVICES); the readings travel in the per-step all-gather.
+        self.gpu_sampler = self._gpu_sampler()
+        self.active_alerts: set[str] = set()
         self.block_timer = BlockTimer(self.device, self.slow_factor) \
             if cfg.parallel.balance != "off" or self.slow_factor < 1 else None
         self.model = self._build_pipeline() if self.dims.pp > 1 else self._build_model()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.n_params = self.args.num_params()  # what the MFU alert expects depends on the model size
         # Parameters whose gradients enter the norm: a last pipeline stage's copy of the
         # tied embedding is left out (the first stage counts it).
         tied_copy = (self.dims.pp > 1 and self.args.tie_word_embeddings and 0 not in self.stage_ids
@@ -242,6 +275,17 @@ class Trainer:
         # A preempted job gets SIGTERM: finish the step, save, then stop (see train()).
         self.stop_requested = False
         signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _gpu_sampler(self) -> GpuSampler | None:
+        if self.device.type != "cuda":
+            return None
+        nvml = load_nvml()
+        index = index_of_uuid(nvml, str(torch.cuda.get_device_properties(self.device).uuid)) if nvml else None
+        if index is None:  # monitoring only: say so once and train on
+            if self.rank == 0:
+                _Console().out.print("[yellow]NVML cannot read this GPU: no per-GPU readings in the metrics[/]")
+            return None
+        return GpuSampler(nvml, [index], self.cfg.metrics.gpu_interval_s)
 
     def _on_sigterm(self, signum, frame) -> None:
         self.stop_requested = True
@@ -441,7 +485,7 @@ class Trainer:
         is_main = self.rank == 0
         if is_main:
             _truncate_metrics(self.run_dir / "metrics.jsonl", self.start_step)
-        metrics = MetricsFile(self.run_dir / "metrics.jsonl") if is_main else None
+        self.sinks = self._open_sinks()
         console = _Console() if is_main else None
         if console:
             console.banner(self)
@@ -456,16 +500,39 @@ class Trainer:
         # Pipeline stages split the batch themselves and cannot split varlen offsets by
         # sample: under pp the model derives them from the document ids on the device.
         try:
-            self._loop(steps, prefetch, metrics, console, started)
+            self._loop(steps, prefetch, console, started)
         finally:
             prefetch.close()
             if self.stager is not None:
                 self.stager.close()
                 self.stager = None  # its pinned host buffers go with it
-            if metrics:
-                metrics.close()
+            for sink in self.sinks:
+                sink.close()
+            if self.gpu_sampler is not None:
+                self.gpu_sampler.close()
 
-    def _loop(self, steps, prefetch, metrics, console, started) -> None:
+    def _open_sinks(self) -> list:
+        """metrics.jsonl and TensorBoard on rank 0; a Prometheus endpoint on each node's
+        first rank, covering that node's ranks."""
+        cfg, sinks = self.cfg.metrics, []
+        if self.rank == 0:
+            sinks.append(MetricsFile(self.run_dir / "metrics.jsonl"))
+            if cfg.tensorboard:
+                sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        if cfg.prometheus_port and int(os.environ.get("LOCAL_RANK", 0)) == 0:
+            first = self.rank  # local rank 0: ranks are numbered node by node
+            try:
+                sink = PrometheusSink(cfg.prometheus_host, cfg.prometheus_port, list(range(first, first + local_world)))
+            except OSError as e:
+                raise DuokaError(f"metrics.prometheus_port={cfg.prometheus_port} on {cfg.prometheus_host} cannot be "
+                                 f"opened ({e})", "choose a free port, or 0 to turn the endpoint off") from None
+            sinks.append(sink)
+            if self.rank == 0:
+                _Console().out.print(f"Prometheus metrics on http://{cfg.prometheus_host}:{sink.port}/metrics")
+        return sinks
+
+    def _loop(self, steps, prefetch, console, started) -> None:
         cfg, is_main = self.cfg, self.rank == 0
         tokens_seen = self.tokens_seen
         step = self.start_step - 1
@@ -513,34 +580,24 @@ class Trainer:
 
             # One small all-gather per step carries every rank's figures for the metrics line
             # and whether any rank was asked to stop (SIGTERM), so all stop at the same step.
-            counted = self.counts_for_metrics
-            peak = torch.cuda.max_memory_allocated(self.device) / 2**30 if self.device.type == "cuda" else 0.0
-            compute_s = self.block_timer.step_seconds() if self.block_timer is not None else 0.0
-            samples = sum(len(b["tokens"]) for b in host)
-            mine = torch.tensor([loss_sum.item() if counted else 0.0, local_tokens if counted else 0, step_time, t_data,
-                                 float(self.stop_requested), peak, compute_s, samples], device=self.device,
-                                dtype=torch.float64)
-            gathered = [torch.zeros_like(mine) for _ in range(self.world)]
-            dist.all_gather(gathered, mine)
-            per_rank = torch.stack(gathered).cpu()
-            tokens_seen += int(per_rank[:, 1].sum())
+            per_rank = self._gather_rank_rows(loss_sum, local_tokens, step_time, t_data, host)
+            tokens_seen += int(per_rank[:, COL["tokens"]].sum())
             record = self._record(step + 1, per_rank, tokens_seen, lr, float(grad_norm))
             # Rank 0's phases; the rest of the step is exposed communication and host gaps.
             record["phase_s"] = dict(phases.seconds(), data=t_data)
             record["phase_s"]["other"] = max(0.0, step_time - sum(record["phase_s"].values()))
-            if self.device.type == "cuda":  # the largest over ranks (pipeline stages differ)
-                record["peak_mem_gib"] = float(per_rank[:, 5].max())
-                record["per_rank"]["peak_mem_gib"] = [float(r[5]) for r in per_rank]
             if self.balancer.mode != "off":
                 record["balance"] = self._balance_step(step, per_rank, console)
-            if metrics:
-                metrics.write(record)
+            if cfg.metrics.alerts:
+                record["alerts"] = self._alerts(record, console)
+            for sink in self.sinks:
+                sink.write(record)
             if console and ((step + 1) % cfg.metrics.log_interval == 0 or step + 1 == steps or step == 0):
                 console.progress(record, steps, time.perf_counter() - started, self.start_step)
             self.tokens_seen = tokens_seen
             if self.pending_save is not None and self.pending_save.poll():
                 self._saved_in_background()
-            if per_rank[:, 4].max() > 0:
+            if per_rank[:, COL["stop"]].max() > 0:
                 self.checkpoint(step + 1)
                 self._finish_pending_save()
                 if is_main:
@@ -563,7 +620,8 @@ class Trainer:
         """Feed the balancer the step's gathered block times and sample counts (one row per
         rank; a data-parallel rank's figure is its first rank's, which are all of them
         without tp or pp); log a change of shares. Returns the metrics.jsonl `balance` entry."""
-        seconds, samples = [float(r[6]) for r in per_rank], [int(r[7]) for r in per_rank]
+        seconds = [float(r[COL["forward_s"]]) for r in per_rank]
+        samples = [int(r[COL["samples"]]) for r in per_rank]
         shares = self.balancer.shares_for(step)
         message = self.balancer.observe(step, seconds, samples)
         if message and console:
@@ -572,14 +630,42 @@ class Trainer:
                 "forward_s": seconds,
                 "speed": [n / t if t > 0 else None for n, t in zip(samples, seconds)]}
 
+    def _gather_rank_rows(self, loss_sum, local_tokens: int, step_time: float, t_data: float, host) -> torch.Tensor:
+        """Every rank's ROW_FIELDS for the step, [world, len(ROW_FIELDS)] on the host."""
+        counted = self.counts_for_metrics
+        row = dict.fromkeys(ROW_FIELDS, math.nan)
+        row.update(loss_sum=loss_sum.item() if counted else 0.0, tokens=local_tokens if counted else 0,
+                   step_time=step_time, data_time=t_data, stop=float(self.stop_requested),
+                   forward_s=self.block_timer.step_seconds() if self.block_timer is not None else 0.0,
+                   samples=sum(len(b["tokens"]) for b in host))
+        if self.device.type == "cuda":
+            stats = torch.cuda.memory_stats(self.device)
+            row.update(peak_gib=torch.cuda.max_memory_allocated(self.device) / 2**30,
+                       active_gib=torch.cuda.memory_allocated(self.device) / 2**30,
+                       alloc_retries=stats.get("num_alloc_retries", 0), ooms=stats.get("num_ooms", 0))
+        if self.gpu_sampler is not None:
+            g = self.gpu_sampler.latest()[0]
+            row.update({f"gpu_{k}": float(v) for k, v in (
+                ("index", g.index), ("util", g.utilization_pct), ("mem_used", g.memory_used_bytes),
+                ("mem_total", g.memory_total_bytes), ("temp", g.temperature_c), ("power", g.power_w),
+                ("sm_clock", g.sm_clock_mhz), ("clock_mask", g.clock_mask), ("pcie_tx", g.pcie_tx_bytes_per_s),
+                ("pcie_rx", g.pcie_rx_bytes_per_s), ("nvlink_tx", g.nvlink_tx_bytes_per_s),
+                ("nvlink_rx", g.nvlink_rx_bytes_per_s)) if v is not None})
+        mine = torch.tensor([row[k] for k in ROW_FIELDS], device=self.device, dtype=torch.float64)
+        gathered = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(gathered, mine)
+        return torch.stack(gathered).cpu()
+
     def _record(self, step: int, per_rank: torch.Tensor, tokens_seen: int, lr: float, grad_norm: float) -> dict:
-        """The metrics.jsonl line (design.md's contract) from the gathered per-rank rows
-        [loss sum, target tokens, step time, data time, stop flag, peak memory GiB]."""
-        slowest = float(per_rank[:, 2].max())  # a synchronous step takes as long as its slowest rank
-        tps = float(per_rank[:, 1].sum()) / slowest
-        return {
+        """The metrics.jsonl line (design.md's contract) from the gathered per-rank rows."""
+        col = {k: per_rank[:, i] for k, i in COL.items()}
+        slowest = float(col["step_time"].max())  # a synchronous step takes as long as its slowest rank
+        tps = float(col["tokens"].sum()) / slowest
+        rank_loss = [float(loss / n) if n > 0 else None for loss, n in zip(col["loss_sum"], col["tokens"])]
+        record = {
             "step": step,
-            "loss": float(per_rank[:, 0].sum() / per_rank[:, 1].sum()),
+            "loss": float(col["loss_sum"].sum() / col["tokens"].sum()),
+            "loss_max_rank": max((x for x in rank_loss if x is not None), default=None),
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens": tokens_seen,
@@ -587,13 +673,36 @@ class Trainer:
             "tokens_per_s_per_gpu": tps / self.world,
             "mfu": mfu(self.flops_per_token, tps, self.world, self.peak),
             "step_time_s": slowest,
-            "data_time_s": float(per_rank[:, 3].max()),
+            "data_time_s": float(col["data_time"].max()),
             "per_rank": {
-                "loss": [float(r[0] / r[1]) if r[1] > 0 else None for r in per_rank],
-                "step_time_s": [float(r[2]) for r in per_rank],
-                "data_time_s": [float(r[3]) for r in per_rank],
+                "loss": rank_loss,
+                "step_time_s": [float(x) for x in col["step_time"]],
+                "data_time_s": [float(x) for x in col["data_time"]],
             },
         }
+        if self.device.type == "cuda":  # the largest over ranks (pipeline stages differ)
+            record["peak_mem_gib"] = float(col["peak_gib"].max())
+            for key, name in (("peak_mem_gib", "peak_gib"), ("active_mem_gib", "active_gib"),
+                              ("alloc_retries", "alloc_retries"), ("ooms", "ooms")):
+                record["per_rank"][key] = [float(x) for x in col[name]]
+        if not math.isnan(float(col["gpu_index"][0])):
+            record["gpus"] = [_gpu_reading(rank, per_rank[rank]) for rank in range(self.world)]
+        return record
+
+    def _alerts(self, record: dict, console) -> list[dict]:
+        """The step's alerts; each is logged once when it starts, not on every step it lasts.
+        The first steps of a process compile, fill the data queue and warm the allocator:
+        no alerts from them."""
+        if record["step"] <= self.start_step + ALERT_WARMUP_STEPS:
+            return []
+        found = check_alerts(record, self.n_params)
+        kinds = {a.kind for a in found}
+        if console:
+            for a in found:
+                if a.kind not in self.active_alerts:
+                    console.out.print(f"[bold yellow]alert ({a.kind})[/]: {a.message}")
+        self.active_alerts = kinds
+        return [a.to_dict() for a in found]
 
     def _finish_pending_save(self) -> None:
         if self.pending_save is not None:

@@ -1,0 +1,178 @@
+"""Per-GPU readings through NVML (nvidia-ml-py), sampled in a background thread.
+
+NVML numbers GPUs in PCI bus order and ignores CUDA_VISIBLE_DEVICES, so a training rank
+finds its GPU by UUID (torch's device properties carry the same UUID), never by index.
+Every call that a GPU or driver may not support (SM activity, NVLink counters, clock
+event reasons on old drivers) is read as "not available" (None), not as an error: a
+monitoring gap must not stop training.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+# NVML clock event (throttle) reason bits -> words; the bit values are NVML's ABI.
+CLOCK_EVENT_REASONS = {
+    0x0000000000000001: "idle",
+    0x0000000000000002: "application clocks setting",
+    0x0000000000000004: "power cap (software)",
+    0x0000000000000008: "hardware slowdown",
+    0x0000000000000010: "sync boost",
+    0x0000000000000020: "thermal (software)",
+    0x0000000000000040: "thermal (hardware)",
+    0x0000000000000080: "power brake (hardware)",
+    0x0000000000000100: "display clock setting",
+}
+# The reasons that mean the GPU runs slower than it could while busy.
+THROTTLING = {"power cap (software)", "hardware slowdown", "thermal (software)", "thermal (hardware)",
+              "power brake (hardware)"}
+
+
+def decode_clock_reasons(mask: int | None) -> list[str]:
+    if not mask:
+        return []
+    return [word for bit, word in CLOCK_EVENT_REASONS.items() if mask & bit]
+
+
+@dataclass
+class GpuSample:
+    index: int  # NVML / nvidia-smi index
+    uuid: str
+    name: str
+    time: float
+    utilization_pct: int | None = None
+    memory_used_bytes: int | None = None
+    memory_total_bytes: int | None = None
+    temperature_c: int | None = None
+    power_w: float | None = None
+    power_limit_w: float | None = None
+    sm_clock_mhz: int | None = None
+    sm_clock_max_mhz: int | None = None
+    clock_reasons: list[str] = field(default_factory=list)
+    clock_mask: int = 0  # the raw NVML bits behind clock_reasons
+    pcie_tx_bytes_per_s: float | None = None
+    pcie_rx_bytes_per_s: float | None = None
+    nvlink_tx_bytes_per_s: float | None = None  # over the interval since the previous sample
+    nvlink_rx_bytes_per_s: float | None = None
+    nvlink_kib_totals: tuple[int, int] | None = None  # NVML's cumulative data counters (tx, rx)
+
+    @property
+    def throttled(self) -> list[str]:
+        return [r for r in self.clock_reasons if r in THROTTLING]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _maybe(fn, *args):
+    """One NVML query, or None where this GPU or driver does not support it."""
+    try:
+        return fn(*args)
+    except Exception:  # pynvml.NVMLError_NotSupported and relatives: a gap, not a failure
+        return None
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _nvlink_totals(nvml, handle) -> tuple[int, int] | None:
+    """NVLink data sent and received since boot, KiB summed over links; None without NVLink."""
+    try:
+        values = nvml.nvmlDeviceGetFieldValues(handle, [nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX,
+                                                        nvml.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX])
+    except Exception:
+        return None
+    if any(v.nvmlReturn != 0 for v in values):
+        return None
+    return int(values[0].value.ullVal), int(values[1].value.ullVal)
+
+
+def with_rates(sample: GpuSample, previous: GpuSample | None) -> GpuSample:
+    """Fill the NVLink rates from the counters' change since the previous sample."""
+    if previous is not None and sample.nvlink_kib_totals and previous.nvlink_kib_totals:
+        dt = sample.time - previous.time
+        if dt > 0:
+            sample.nvlink_tx_bytes_per_s = (sample.nvlink_kib_totals[0] - previous.nvlink_kib_totals[0]) * 1024 / dt
+            sample.nvlink_rx_bytes_per_s = (sample.nvlink_kib_totals[1] - previous.nvlink_kib_totals[1]) * 1024 / dt
+    return sample
+
+
+def read_sample(nvml, handle, index: int) -> GpuSample:
+    """One reading of one GPU. `nvml` is the pynvml module (or a stand-in in tests)."""
+    mem = _maybe(nvml.nvmlDeviceGetMemoryInfo, handle)
+    util = _maybe(nvml.nvmlDeviceGetUtilizationRates, handle)
+    power = _maybe(nvml.nvmlDeviceGetPowerUsage, handle)  # milliwatts
+    limit = _maybe(nvml.nvmlDeviceGetEnforcedPowerLimit, handle)
+    reasons = _maybe(getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+                     or nvml.nvmlDeviceGetCurrentClocksThrottleReasons, handle)
+    # PCIe counters are KB/s over NVML's last 20 ms window.
+    tx = _maybe(nvml.nvmlDeviceGetPcieThroughput, handle, nvml.NVML_PCIE_UTIL_TX_BYTES)
+    rx = _maybe(nvml.nvmlDeviceGetPcieThroughput, handle, nvml.NVML_PCIE_UTIL_RX_BYTES)
+    return GpuSample(
+        index=index, uuid=_text(nvml.nvmlDeviceGetUUID(handle)), name=_text(nvml.nvmlDeviceGetName(handle)),
+        time=time.time(),
+        utilization_pct=None if util is None else int(util.gpu),
+        memory_used_bytes=None if mem is None else int(mem.used),
+        memory_total_bytes=None if mem is None else int(mem.total),
+        temperature_c=_maybe(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU),
+        power_w=None if power is None else power / 1000.0,
+        power_limit_w=None if limit is None else limit / 1000.0,
+        sm_clock_mhz=_maybe(nvml.nvmlDeviceGetClockInfo, handle, nvml.NVML_CLOCK_SM),
+        sm_clock_max_mhz=_maybe(nvml.nvmlDeviceGetMaxClockInfo, handle, nvml.NVML_CLOCK_SM),
+        clock_reasons=decode_clock_reasons(reasons), clock_mask=int(reasons or 0),
+        pcie_tx_bytes_per_s=None if tx is None else tx * 1024.0,
+        pcie_rx_bytes_per_s=None if rx is None else rx * 1024.0,
+        nvlink_kib_totals=_nvlink_totals(nvml, handle),
+    )
+
+
+def load_nvml():
+    """The initialised pynvml module, or None where there is no NVIDIA driver."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return pynvml
+    except Exception:
+        return None
+
+
+def read_all(nvml) -> list[GpuSample]:
+    return [read_sample(nvml, nvml.nvmlDeviceGetHandleByIndex(i), i) for i in range(nvml.nvmlDeviceGetCount())]
+
+
+def index_of_uuid(nvml, uuid: str) -> int | None:
+    """NVML index of the GPU with this UUID (torch gives it without the "GPU-" prefix)."""
+    want = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+    for i in range(nvml.nvmlDeviceGetCount()):
+        if _text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))) == want:
+            return i
+    return None
+
+
+class GpuSampler:
+    """Reads the given GPUs every `interval` seconds in a daemon thread; `latest()` returns
+    the last reading without touching NVML, so the training step never waits for it."""
+
+    def __init__(self, nvml, indices: list[int], interval: float = 2.0):
+        self.nvml, self.indices, self.interval = nvml, indices, interval
+        self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
+        self._latest: list[GpuSample] = [read_sample(nvml, h, i) for h, i in zip(self.handles, indices)]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="duoka-nvml", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._latest = [with_rates(read_sample(self.nvml, h, i), old)
+                            for h, i, old in zip(self.handles, self.indices, self._latest)]
+
+    def latest(self) -> list[GpuSample]:
+        return self._latest
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
