@@ -276,6 +276,85 @@ def run_report(a: argparse.Namespace) -> int:
     return 0
 
 
+def add_doctor_parser(sub) -> None:
+    p = sub.add_parser("doctor", help="check this machine for multi-GPU training; explain a failed run's log",
+                       description="Checks Python, PyTorch against the driver, the GPUs (busy, ECC, throttling), "
+                                   "memory for --model, CPU/RAM/shm, NCCL, GPU links, InfiniBand, risky NCCL "
+                                   "variables, the rendezvous port and disk. Exit code 0: all pass, 1: warnings, "
+                                   "2: failures. --explain reads a log and names the known failure in it.")
+    p.add_argument("--model", default=None, help="a flavor or model folder: does it fit these GPUs? (duoka plan)")
+    p.add_argument("--bench", action="store_true", help="also measure matmul TFLOP/s, copy and all-reduce bandwidth")
+    p.add_argument("--port", type=int, default=29500, help="rendezvous port to check")
+    p.add_argument("--disk", default=".", help="where checkpoints will go (free space)")
+    p.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+    p.add_argument("--explain", default=None, metavar="LOGFILE",
+                   help="diagnose a failed run's log ('-' for stdin): exit 0 if a known failure was found, "
+                        "1 if nothing in it is known")
+    p.set_defaults(func=run_doctor)
+
+
+def run_doctor(a: argparse.Namespace) -> int:
+    import json
+
+    from rich.console import Console
+
+    console = Console(stderr=a.json)
+    if a.explain is not None:
+        from duoka.doctor.diagnose import explain
+
+        if a.explain == "-":
+            text = sys.stdin.read()
+        elif not Path(a.explain).is_file():
+            raise DuokaError(f"log file {a.explain} not found", "pass the path of a log, or - to read stdin")
+        else:
+            text = Path(a.explain).read_text(errors="replace")
+        found = explain(text)
+        if a.json:
+            print(json.dumps([vars(d) for d in found], indent=1))
+        elif not found:
+            console.print("No known failure found in this log. duoka recognises NCCL timeouts, port clashes, "
+                          "driver/CUDA mismatches, out-of-memory, /dev/shm exhaustion, GPU-order mistakes, "
+                          "tensor-parallel head counts and missing tokenizer files; the error may be elsewhere "
+                          "(look for the first traceback of the first failing rank).")
+        from rich.markup import escape  # log lines are full of [rank0]: and [/dev/shm]: never markup
+
+        for d in found if not a.json else []:
+            console.print(f"[bold red]{d.kind}[/]: {escape(d.cause)}\n  [bold]fix[/]: {escape(d.fix)}\n"
+                          f"  [dim]from: {escape(d.evidence)}[/]")
+        return 0 if found else 1
+
+    from duoka.doctor.checks import exit_code, gather, render, run_checks
+
+    facts = gather(a.port, a.disk)
+    results = run_checks(facts, a.model)
+    bench = None
+    if a.bench:
+        from duoka.doctor.bandwidth import run_bench
+
+        bench = run_bench(len(facts.gpus))
+    if a.json:
+        print(json.dumps({"results": [r.to_dict() for r in results], "bench": bench,
+                          "exit_code": exit_code(results)}, indent=1))
+    else:
+        render(results, console)
+        if bench:
+            _render_bench(bench, console)
+    return exit_code(results)
+
+
+def _render_bench(bench: dict, console) -> None:
+    if "matmul_tflops" in bench:
+        for i, (t, c) in enumerate(zip(bench["matmul_tflops"], bench["copy_gbps"])):
+            console.print(f"GPU {i}: bf16 matmul {t:.0f} TFLOP/s, host->device {c['host_to_device']:.1f} GB/s, "
+                          f"device->host {c['device_to_host']:.1f} GB/s")
+        console.print(f"static load-balance weights: --parallel.balance_weights={bench['balance_weights']}")
+    else:
+        console.print(f"CPU mode: fp32 matmul {bench['cpu_matmul_tflops'] * 1e3:.0f} GFLOP/s")
+    for row in bench.get("allreduce") or bench.get("allreduce_gloo_cpu") or []:
+        console.print(f"all-reduce {row['bytes'] / 2**20:8.0f} MiB: algbw {row['algbw_gbps']:7.1f} GB/s, "
+                      f"busbw {row['busbw_gbps']:7.1f} GB/s")
+
+
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="training throughput, MFU, memory and step breakdown (optionally vs the peer)",
                        description="Runs duoka train on random tokens for warm-up + timed steps on the visible "
@@ -352,6 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_monitor_parser(sub)
     add_report_parser(sub)
+    add_doctor_parser(sub)
     return parser
 
 
