@@ -142,7 +142,7 @@ def select_attention_kernel(choice: str, device: torch.device) -> None:
 ROW_FIELDS = ("loss_sum", "tokens", "step_time", "data_time", "stop", "peak_gib", "forward_s", "samples",
               "active_gib", "alloc_retries", "ooms", "gpu_index", "gpu_util", "gpu_mem_used", "gpu_mem_total",
               "gpu_temp", "gpu_power", "gpu_sm_clock", "gpu_clock_mask", "gpu_pcie_tx", "gpu_pcie_rx", "gpu_nvlink_tx",
-              "gpu_nvlink_rx")
+              "gpu_nvlink_rx", "save_done")
 COL = {name: i for i, name in enumerate(ROW_FIELDS)}
 ALERT_WARMUP_STEPS = 3
 
@@ -595,7 +595,11 @@ class Trainer:
             if console and ((step + 1) % cfg.metrics.log_interval == 0 or step + 1 == steps or step == 0):
                 console.progress(record, steps, time.perf_counter() - started, self.start_step)
             self.tokens_seen = tokens_seen
-            if self.pending_save is not None and self.pending_save.poll():
+            # Finish a background save only when every rank's write is done: each rank's own
+            # poll could differ, and one rank alone entering the barrier in
+            # _saved_in_background would meet the others' next collectives (a hang seen in CI).
+            if self.pending_save is not None and per_rank[:, COL["save_done"]].min() > 0:
+                self.pending_save.poll(wait=True)
                 self._saved_in_background()
             if per_rank[:, COL["stop"]].max() > 0:
                 self.checkpoint(step + 1)
@@ -637,7 +641,8 @@ class Trainer:
         row.update(loss_sum=loss_sum.item() if counted else 0.0, tokens=local_tokens if counted else 0,
                    step_time=step_time, data_time=t_data, stop=float(self.stop_requested),
                    forward_s=self.block_timer.step_seconds() if self.block_timer is not None else 0.0,
-                   samples=sum(len(b["tokens"]) for b in host))
+                   samples=sum(len(b["tokens"]) for b in host),
+                   save_done=float(self.pending_save is not None and self.pending_save.future.done()))
         if self.device.type == "cuda":
             stats = torch.cuda.memory_stats(self.device)
             row.update(peak_gib=torch.cuda.max_memory_allocated(self.device) / 2**30,
