@@ -63,15 +63,18 @@ def _allreduce_rank(rank: int, world: int, init: str, sizes, out: str) -> None:
     dist.destroy_process_group()
 
 
+def bandwidth_row(size: int, seconds: float, world: int) -> dict:
+    """nccl-tests' figures for one all-reduce of `size` bytes per rank taking `seconds`."""
+    algbw = size / seconds / 1e9
+    return {"bytes": size, "seconds": seconds, "algbw_gbps": algbw, "busbw_gbps": algbw * 2 * (world - 1) / world}
+
+
 def _allreduce_loop(device: torch.device, sizes, out: str | None) -> list[dict]:
     world, rows = dist.get_world_size(), []
     for size in sizes:
         x = torch.ones(size // 4, dtype=torch.float32, device=device)
         iters = 20 if size <= 2**24 else 5
-        seconds = _median_seconds(lambda: dist.all_reduce(x), device, iters)
-        algbw = size / seconds / 1e9
-        rows.append({"bytes": size, "seconds": seconds, "algbw_gbps": algbw,
-                     "busbw_gbps": algbw * 2 * (world - 1) / world})
+        rows.append(bandwidth_row(size, _median_seconds(lambda: dist.all_reduce(x), device, iters), world))
     if out is not None and dist.get_rank() == 0:
         Path(out).write_text(repr(rows))
     return rows

@@ -106,11 +106,13 @@ def test_doctor_on_this_cpu_machine_end_to_end():
     assert {"python", "shm", "port", "disk"} <= set(by_check)
 
 
-def test_allreduce_probe_reports_nccl_tests_bus_bandwidth():
-    from duoka.doctor.bandwidth import allreduce_busbw
+def test_allreduce_figures_follow_nccl_tests():
+    """algbw = bytes / time; busbw = algbw x 2(n-1)/n (nccl-tests' PERFORMANCE.md). The
+    probe itself (spawned gloo processes here, NCCL on GPU) runs in `duoka doctor --bench`;
+    spawning it costs 11 s of CI, so only its arithmetic is tested here."""
+    from duoka.doctor.bandwidth import bandwidth_row
 
-    rows = allreduce_busbw(2, sizes=(2**16, 2**20))  # two gloo CPU processes here
-    assert [r["bytes"] for r in rows] == [2**16, 2**20]
-    for r in rows:
-        assert r["algbw_gbps"] == r["bytes"] / r["seconds"] / 1e9 > 0
-        assert r["busbw_gbps"] == r["algbw_gbps"] * 2 * (2 - 1) / 2  # 2(n-1)/n, n = 2
+    r = bandwidth_row(2**30, 0.01, world=8)
+    assert r["algbw_gbps"] == 2**30 / 0.01 / 1e9
+    assert r["busbw_gbps"] == r["algbw_gbps"] * 14 / 8
+    assert bandwidth_row(2**20, 1.0, world=2)["busbw_gbps"] == bandwidth_row(2**20, 1.0, world=2)["algbw_gbps"]
