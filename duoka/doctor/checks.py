@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -278,16 +277,6 @@ def exit_code(results: list[Result]) -> int:
 # ------------------------------------------------------------------ the real system
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("0.0.0.0", port))
-            return True
-        except OSError:
-            return False
-
-
 def _infiniband() -> list[tuple[str, str, str]]:
     out = []
     for port in sorted(Path("/sys/class/infiniband").glob("*/ports/*")):
@@ -300,6 +289,7 @@ def gather(port: int = 29500, disk_path: str = ".") -> Facts:
     import torch
 
     from duoka.monitor.gpu import decode_clock_reasons, load_nvml
+    from duoka.parallel.launch import port_is_free
 
     nvml = load_nvml()
     gpus, links, p2p, driver, driver_cuda = [], {}, {}, None, None
@@ -347,7 +337,8 @@ def gather(port: int = 29500, disk_path: str = ".") -> Facts:
                  driver_version=driver, driver_cuda=driver_cuda, nccl_version=nccl, gpus=gpus, links=links, p2p=p2p,
                  cpu_cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1,
                  ram_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), shm_bytes=shm,
-                 infiniband=_infiniband(), env=dict(os.environ), port=port, port_free=_port_free(port),
+                 infiniband=_infiniband(), env=dict(os.environ), port=port,
+                 port_free=port_is_free("0.0.0.0", port),
                  disk_path=str(Path(disk_path).resolve()), disk_free=shutil.disk_usage(disk_path).free)
 
 
