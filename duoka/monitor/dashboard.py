@@ -47,8 +47,8 @@ def run_view(records: list[dict], title: str):
     breakdown = Text("step breakdown: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in phases.items()),
                      style="dim") if phases else Text("")
     table = Table(show_edge=False, header_style="bold")
-    for col in ("rank", "loss", "step ms", "data ms", "peak GiB", "GPU", "util", "mem GiB", "temp C", "power W",
-                "SM MHz", "throttle", "share", "speed"):
+    for col in ("rank", "loss", "step ms", "data ms", "peak GiB", "GPU", "util", "SM active", "mem GiB", "temp C",
+                "power W", "SM MHz", "throttle", "share", "speed"):
         table.add_column(col, justify="left" if col in ("throttle",) else "right")
     per_rank, gpus = r.get("per_rank", {}), {g["rank"]: g for g in r.get("gpus", [])}
     balance = r.get("balance") or {}
@@ -60,7 +60,8 @@ def run_view(records: list[dict], title: str):
         table.add_row(
             str(rank), _num(loss, "{:.4f}"), _num(per_rank["step_time_s"][rank] * 1e3, "{:.0f}"),
             _num(per_rank["data_time_s"][rank] * 1e3), _num(peak),
-            _num(g.get("index"), "{}"), _num(g.get("utilization_pct"), "{}%"), _gib(g.get("memory_used_bytes")),
+            _num(g.get("index"), "{}"), _num(g.get("utilization_pct"), "{}%"), _num(g.get("sm_active_pct"), "{:.0f}%"),
+            _gib(g.get("memory_used_bytes")),
             _num(g.get("temperature_c"), "{}"), _num(g.get("power_w"), "{:.0f}"), _num(g.get("sm_clock_mhz"), "{}"),
             Text(", ".join(g.get("throttled", [])) or "-", style="red" if g.get("throttled") else ""),
             _num((balance.get("shares") or [None] * n)[rank], "{}"),

@@ -57,6 +57,11 @@ class GpuSample:
     nvlink_tx_bytes_per_s: float | None = None  # over the interval since the previous sample
     nvlink_rx_bytes_per_s: float | None = None
     nvlink_kib_totals: tuple[int, int] | None = None  # NVML's cumulative data counters (tx, rx)
+    # GPM (Hopper and later): the share of SM cycles with work, and of warp slots in use,
+    # over the interval since the previous sample. Utilisation above only says that some
+    # kernel ran; these say how much of the GPU it used.
+    sm_active_pct: float | None = None
+    sm_occupancy_pct: float | None = None
 
     @property
     def throttled(self) -> list[str]:
@@ -153,6 +158,47 @@ def index_of_uuid(nvml, uuid: str) -> int | None:
     return None
 
 
+class SmActivity:
+    """SM activity and occupancy through NVML's GPU performance monitoring (GPM), where the
+    GPU supports it (Hopper and later). GPM metrics are differences between two samples, so
+    each reading compares the sample taken now with the one taken at the previous reading."""
+
+    METRICS = ("sm_active_pct", "sm_occupancy_pct")
+
+    def __init__(self, nvml, handle):
+        self.nvml, self.handle = nvml, handle
+        support = _maybe(getattr(nvml, "nvmlGpmQueryDeviceSupport", None) or (lambda h: None), handle)
+        self.supported = bool(support is not None and support.isSupportedDevice)
+        self._previous = self._current = None
+        if self.supported:
+            self._previous, self._current = nvml.nvmlGpmSampleAlloc(), nvml.nvmlGpmSampleAlloc()
+            if _maybe(nvml.nvmlGpmSampleGet, handle, self._previous) is None:
+                self.close()
+
+    def read(self) -> dict[str, float | None]:
+        """{metric: percent} since the previous read; None values where unsupported."""
+        if not self.supported or _maybe(self.nvml.nvmlGpmSampleGet, self.handle, self._current) is None:
+            return dict.fromkeys(self.METRICS)
+        request = self.nvml.c_nvmlGpmMetricsGet_t()
+        request.version = self.nvml.NVML_GPM_METRICS_GET_VERSION
+        request.numMetrics = 2
+        request.sample1, request.sample2 = self._previous, self._current
+        request.metrics[0].metricId = self.nvml.NVML_GPM_METRIC_SM_UTIL
+        request.metrics[1].metricId = self.nvml.NVML_GPM_METRIC_SM_OCCUPANCY
+        self._previous, self._current = self._current, self._previous
+        if _maybe(self.nvml.nvmlGpmMetricsGet, request) is None:
+            return dict.fromkeys(self.METRICS)
+        return {name: float(m.value) if m.nvmlReturn == 0 else None
+                for name, m in zip(self.METRICS, request.metrics[:2])}
+
+    def close(self) -> None:
+        for sample in (self._previous, self._current):
+            if sample is not None:
+                _maybe(self.nvml.nvmlGpmSampleFree, sample)
+        self._previous = self._current = None
+        self.supported = False
+
+
 class GpuSampler:
     """Reads the given GPUs every `interval` seconds in a daemon thread; `latest()` returns
     the last reading without touching NVML, so the training step never waits for it."""
@@ -160,6 +206,7 @@ class GpuSampler:
     def __init__(self, nvml, indices: list[int], interval: float = 2.0):
         self.nvml, self.indices, self.interval = nvml, indices, interval
         self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in indices]
+        self.activity = [SmActivity(nvml, h) for h in self.handles]
         self._latest: list[GpuSample] = [read_sample(nvml, h, i) for h, i in zip(self.handles, indices)]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="duoka-nvml", daemon=True)
@@ -167,8 +214,13 @@ class GpuSampler:
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
-            self._latest = [with_rates(read_sample(self.nvml, h, i), old)
-                            for h, i, old in zip(self.handles, self.indices, self._latest)]
+            latest = []
+            for h, i, old, activity in zip(self.handles, self.indices, self._latest, self.activity):
+                sample = with_rates(read_sample(self.nvml, h, i), old)
+                for name, value in activity.read().items():
+                    setattr(sample, name, value)
+                latest.append(sample)
+            self._latest = latest
 
     def latest(self) -> list[GpuSample]:
         return self._latest
@@ -176,3 +228,6 @@ class GpuSampler:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():  # the thread may still hold the GPM samples otherwise
+            for activity in self.activity:
+                activity.close()

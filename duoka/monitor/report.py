@@ -87,6 +87,8 @@ def charts(records: list[dict]) -> list[str]:
                               for s, r in zip(steps, records)] for k in ranks}
 
     out.append(svg_chart("GPU utilisation", per_gpu("utilization_pct"), "%"))
+    if any(g.get("sm_active_pct") is not None for r in records for g in r.get("gpus", [])):
+        out.append(svg_chart("SM activity (NVML GPM)", per_gpu("sm_active_pct"), "%"))
     out.append(svg_chart("GPU memory used", per_gpu("memory_used_bytes", 1 / 2**30), "GiB"))
     peak = [r.get("per_rank", {}).get("peak_mem_gib") for r in records]
     if any(peak):

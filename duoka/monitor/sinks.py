@@ -41,7 +41,8 @@ class TensorBoardSink:
                 if _finite(v):
                     add(f"rank/{key}/{rank}", v, step)
         for g in r.get("gpus", []):
-            for key in ("utilization_pct", "memory_used_bytes", "temperature_c", "power_w", "sm_clock_mhz"):
+            for key in ("utilization_pct", "sm_active_pct", "memory_used_bytes", "temperature_c", "power_w",
+                        "sm_clock_mhz"):
                 if _finite(g.get(key)):
                     add(f"gpu/{key}/rank{g['rank']}", g[key], step)
         balance = r.get("balance")
@@ -100,6 +101,10 @@ class PrometheusSink:
         gpu = ["rank", "gpu", "host"]
         self.gpu = {
             "utilization_pct": (g("duoka_gpu_utilization_ratio", "NVML GPU utilisation, 0..1", gpu), 0.01),
+            "sm_active_pct": (g("duoka_gpu_sm_active_ratio", "Share of SM cycles with work (NVML GPM), 0..1", gpu),
+                              0.01),
+            "sm_occupancy_pct": (g("duoka_gpu_sm_occupancy_ratio", "Share of warp slots in use (NVML GPM), 0..1",
+                                   gpu), 0.01),
             "memory_used_bytes": (g("duoka_gpu_memory_used_bytes", "NVML memory used", gpu), 1),
             "memory_total_bytes": (g("duoka_gpu_memory_total_bytes", "NVML memory total", gpu), 1),
             "temperature_c": (g("duoka_gpu_temperature_celsius", "GPU temperature", gpu), 1),

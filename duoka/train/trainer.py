@@ -142,7 +142,7 @@ def select_attention_kernel(choice: str, device: torch.device) -> None:
 ROW_FIELDS = ("loss_sum", "tokens", "step_time", "data_time", "stop", "peak_gib", "forward_s", "samples",
               "active_gib", "alloc_retries", "ooms", "gpu_index", "gpu_util", "gpu_mem_used", "gpu_mem_total",
               "gpu_temp", "gpu_power", "gpu_sm_clock", "gpu_clock_mask", "gpu_pcie_tx", "gpu_pcie_rx", "gpu_nvlink_tx",
-              "gpu_nvlink_rx", "save_done")
+              "gpu_nvlink_rx", "gpu_sm_active", "gpu_sm_occupancy", "save_done")
 COL = {name: i for i, name in enumerate(ROW_FIELDS)}
 ALERT_WARMUP_STEPS = 3
 
@@ -160,6 +160,7 @@ def _gpu_reading(rank: int, row: torch.Tensor) -> dict:
             "sm_clock_mhz": value("gpu_sm_clock", int), "clock_reasons": reasons,
             "pcie_tx_bytes_per_s": value("gpu_pcie_tx"), "pcie_rx_bytes_per_s": value("gpu_pcie_rx"),
             "nvlink_tx_bytes_per_s": value("gpu_nvlink_tx"), "nvlink_rx_bytes_per_s": value("gpu_nvlink_rx"),
+            "sm_active_pct": value("gpu_sm_active"), "sm_occupancy_pct": value("gpu_sm_occupancy"),
             "throttled": [r for r in reasons if r in THROTTLING]}
 
 
@@ -655,7 +656,8 @@ class Trainer:
                 ("mem_total", g.memory_total_bytes), ("temp", g.temperature_c), ("power", g.power_w),
                 ("sm_clock", g.sm_clock_mhz), ("clock_mask", g.clock_mask), ("pcie_tx", g.pcie_tx_bytes_per_s),
                 ("pcie_rx", g.pcie_rx_bytes_per_s), ("nvlink_tx", g.nvlink_tx_bytes_per_s),
-                ("nvlink_rx", g.nvlink_rx_bytes_per_s)) if v is not None})
+                ("nvlink_rx", g.nvlink_rx_bytes_per_s), ("sm_active", g.sm_active_pct),
+                ("sm_occupancy", g.sm_occupancy_pct)) if v is not None})
         mine = torch.tensor([row[k] for k in ROW_FIELDS], device=self.device, dtype=torch.float64)
         gathered = [torch.zeros_like(mine) for _ in range(self.world)]
         dist.all_gather(gathered, mine)

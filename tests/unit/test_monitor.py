@@ -78,6 +78,37 @@ class FakeNVML:
             raise NotSupported()
         return 1000  # KB/s
 
+    # GPM (SM activity): GPU 0 supports it, GPU 1 does not. A sample snapshots cumulative
+    # counters of SM-active and elapsed cycles; a metric compares two samples, as NVML does.
+    NVML_GPM_METRICS_GET_VERSION, NVML_GPM_METRIC_SM_UTIL, NVML_GPM_METRIC_SM_OCCUPANCY = 1, 2, 3
+    sm_active_per_read = 60  # of every 100 elapsed cycles; tests change it
+    _cycles = (0, 0)
+
+    def nvmlGpmQueryDeviceSupport(self, h):
+        return SimpleNamespace(isSupportedDevice=int(h == 0))
+
+    def nvmlGpmSampleAlloc(self):
+        return SimpleNamespace(active=None, elapsed=None, freed=False)
+
+    def nvmlGpmSampleFree(self, sample):
+        sample.freed = True
+
+    def nvmlGpmSampleGet(self, h, sample):
+        active, elapsed = self._cycles
+        self._cycles = (active + self.sm_active_per_read, elapsed + 100)
+        sample.active, sample.elapsed = self._cycles
+        return sample
+
+    def c_nvmlGpmMetricsGet_t(self):
+        return SimpleNamespace(metrics=[SimpleNamespace(metricId=0, nvmlReturn=0, value=0.0) for _ in range(4)])
+
+    def nvmlGpmMetricsGet(self, request):
+        a, b = request.sample1, request.sample2
+        busy = 100.0 * (b.active - a.active) / (b.elapsed - a.elapsed)
+        for m in request.metrics[:request.numMetrics]:
+            m.value = {self.NVML_GPM_METRIC_SM_UTIL: busy, self.NVML_GPM_METRIC_SM_OCCUPANCY: busy / 2}[m.metricId]
+        return request
+
 
 def test_readings_decoded_and_gaps_are_none():
     nvml = FakeNVML()
@@ -116,6 +147,32 @@ def test_sampler_reads_in_the_background():
         sampler.close()
 
 
+def test_sm_activity_compares_each_sample_with_the_previous_one():
+    nvml = FakeNVML()
+    activity = gpu.SmActivity(nvml, 0)
+    assert activity.read() == {"sm_active_pct": 60.0, "sm_occupancy_pct": 30.0}
+    nvml.sm_active_per_read = 25  # the GPU got less busy: the next interval shows it alone
+    assert activity.read() == {"sm_active_pct": 25.0, "sm_occupancy_pct": 12.5}
+    samples = (activity._previous, activity._current)
+    activity.close()
+    assert all(s.freed for s in samples) and activity.read() == {"sm_active_pct": None, "sm_occupancy_pct": None}
+    assert gpu.SmActivity(nvml, 1).read() == {"sm_active_pct": None, "sm_occupancy_pct": None}  # no GPM on GPU 1
+
+
+def test_sampler_fills_sm_activity_where_supported():
+    nvml = FakeNVML()
+    sampler = gpu.GpuSampler(nvml, [0, 1], interval=0.05)
+    try:
+        deadline = time.time() + 5
+        while sampler.latest()[0].sm_active_pct is None and time.time() < deadline:
+            time.sleep(0.02)
+        a, b = sampler.latest()
+        assert a.sm_active_pct == 60.0 and a.sm_occupancy_pct == 30.0
+        assert b.sm_active_pct is None and b.sm_occupancy_pct is None
+    finally:
+        sampler.close()
+
+
 def record(**overrides):
     r = {"step": 7, "loss": 2.5, "loss_max_rank": 2.6, "lr": 1e-3, "grad_norm": 0.9, "tokens": 1000,
          "tokens_per_s": 2e5, "tokens_per_s_per_gpu": 1e5, "mfu": 0.40, "step_time_s": 0.5, "data_time_s": 0.001,
@@ -125,6 +182,7 @@ def record(**overrides):
          "gpus": [dict(rank=r, **{k: v for k, v in s.to_dict().items() if k in (
              "index", "utilization_pct", "memory_used_bytes", "memory_total_bytes", "temperature_c", "power_w",
              "sm_clock_mhz", "clock_reasons")}, throttled=s.throttled) for r, s in enumerate(gpu.read_all(FakeNVML()))]}
+    r["gpus"][0]["sm_active_pct"] = 62.5  # GPM: GPU 0 reports SM activity, GPU 1 does not
     r.update(overrides)
     return r
 
@@ -158,6 +216,8 @@ def test_prometheus_endpoint_and_tensorboard_events(tmp_path):
     host = next(k for k in lines if k.startswith("duoka_rank_loss{")).split('host="')[1].split('"')[0]
     assert lines[f'duoka_rank_peak_memory_bytes{{host="{host}",rank="1"}}'] == 31.0 * 2**30
     assert lines[f'duoka_gpu_utilization_ratio{{gpu="1",host="{host}",rank="1"}}'] == 0.40
+    assert lines[f'duoka_gpu_sm_active_ratio{{gpu="0",host="{host}",rank="0"}}'] == 0.625
+    assert not any(k.startswith("duoka_gpu_sm_active_ratio") and 'rank="1"' in k for k in lines)
     assert lines[f'duoka_gpu_throttled{{gpu="1",host="{host}",rank="1",reason="thermal (software)"}}'] == 1
     assert lines[f'duoka_balance_share_samples{{host="{host}",rank="1"}}'] == 3
     assert lines['duoka_alert{kind="memory"}'] == 1
@@ -170,6 +230,7 @@ def test_prometheus_endpoint_and_tensorboard_events(tmp_path):
     events = EventAccumulator(str(tmp_path / "tb")).Reload()
     assert [(e.step, e.value) for e in events.Scalars("train/loss")] == [(7, 2.5), (8, 2.0)]
     assert events.Scalars("gpu/temperature_c/rank1")[0].value == 88
+    assert events.Scalars("gpu/sm_active_pct/rank0")[0].value == 62.5
     assert events.Scalars("balance/share/rank0")[0].value == 5
 
 
@@ -187,6 +248,8 @@ def test_live_view_shows_ranks_gpus_shares_and_alerts(tmp_path):
     text = console.export_text()
     assert "step 7  loss 2.5000" in text and "MFU 40.0%" in text
     row1 = next(line for line in text.splitlines() if line.strip().startswith("1 "))
+    row0 = next(line for line in text.splitlines() if line.strip().startswith("0 "))
+    assert "62%" in row0  # SM activity beside the utilisation
     assert "2.6000" in row1 and "40%" in row1 and "88" in row1 and "thermal (software)" in row1 and " 3 " in row1
     assert "alert (memory): GPU 1 (rank 1) memory 96% full" in text
 
@@ -234,7 +297,7 @@ def test_html_report_has_a_chart_per_reading(tmp_path):
     page = Charts()
     page.feed(out.read_text())
     assert page.captions == ["Loss", "Throughput (tokens/s)", "MFU (%)", "Step breakdown (rank 0) (ms)",
-                             "GPU utilisation (%)", "GPU memory used (GiB)", "Peak allocated memory per rank (GiB)",
+                             "GPU utilisation (%)", "SM activity (NVML GPM) (%)", "GPU memory used (GiB)", "Peak allocated memory per rank (GiB)",
                              "Load-balance shares (samples)"]
     assert all(len(p) == 6 for p in page.polylines)  # one point per step in every series
     # The loss falls: its y pixel coordinate grows (SVG y points down).
