@@ -226,6 +226,14 @@ class BlockTimer:
         time.sleep(extra)
         return extra
 
+    def _backward_sleep(self, seconds: float, grad: torch.Tensor) -> torch.Tensor:
+        # Wait for the device first, as in forward: otherwise the host's sleep overlaps the
+        # kernels already queued and the rank slows down less than asked.
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        time.sleep(seconds)
+        return grad
+
     def wrap(self, forward):
         def timed_forward(*args, **kwargs):
             started = time.perf_counter()
@@ -236,7 +244,7 @@ class BlockTimer:
             if self.slow_factor < 1:
                 extra = self._slow_down(started)
                 if out.requires_grad:
-                    out.register_hook(lambda grad: (time.sleep(2 * extra), grad)[1])
+                    out.register_hook(lambda grad: self._backward_sleep(2 * extra, grad))
             if self.cuda:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
