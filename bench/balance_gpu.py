@@ -40,7 +40,8 @@ def train(run: Path, model: str, nproc: int, extra: list[str], steps: int, devic
            f"--training.global_batch_size={4 * mb * nproc}", f"--training.steps={steps}",
            "--checkpoint.enabled=false", "--checkpoint.export_final=false", "--metrics.log_interval=5",
            f"--nproc-per-node={nproc}", f"--parallel.balance_window={window}", *compile_flag, *extra]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": devices}
+    # Recompilations (a new micro-batch size recompiles the blocks) are logged to the case's log.
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": devices, "TORCH_LOGS": "recompiles"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
@@ -64,6 +65,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--eager", action="store_true", help="no torch.compile (run 1 was eager and launch-bound)")
     ap.add_argument("--competitor", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated case names (default: all)")
     a = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="duoka-balance-"))
     result = {"model": a.model, "micro_batch": a.micro_batch, "steps": a.steps, "timed_last": a.last, "cases": {}}
@@ -81,33 +83,58 @@ def main() -> None:
         finally:
             if comp is not None:
                 comp.kill()
+        per_rank = [x.get("per_rank", {}) for x in recs]
         r = {"tokens_per_s": throughput(recs, a.last), "wall_s": time.time() - t0,
              "shares": [x.get("balance", {}).get("shares") for x in recs],
-             "speed": [x.get("balance", {}).get("speed") for x in recs]}
+             "speed": [x.get("balance", {}).get("speed") for x in recs],
+             # Where each step's time went, to explain a gap to the ideal.
+             "step_time_s": [x["step_time_s"] for x in recs], "phase_s_rank0": [x.get("phase_s") for x in recs],
+             "rank_step_time_s": [p.get("step_time_s") for p in per_rank],
+             "rank_data_time_s": [p.get("data_time_s") for p in per_rank],
+             "rank_alloc_retries": [p.get("alloc_retries") for p in per_rank]}
         result["cases"][name] = r
-        print(name, json.dumps({k: v for k, v in r.items() if k not in ("shares", "speed")}),
-              "final shares", r["shares"][-1], flush=True)
+        print(name, f"{r['tokens_per_s']:,.0f} tok/s, {r['wall_s']:.0f} s, final shares", r["shares"][-1],
+              flush=True)
         Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
         return r
 
-    # Solo speeds under the same slowdown, both at once (one GPU each): GPU 0 normal, GPU 1 at half speed.
+    only = set(a.only.split(",")) if a.only else None
+
+    def wanted(name):
+        return only is None or name in only
+
+    def ratios(kind, slowed_solo):
+        cases = result["cases"]
+        if not all(k in cases for k in (f"{kind}_off", f"{kind}_auto", "solo_gpu0", slowed_solo)):
+            return
+        ideal = cases["solo_gpu0"]["tokens_per_s"] + cases[slowed_solo]["tokens_per_s"]
+        auto, off = cases[f"{kind}_auto"]["tokens_per_s"], cases[f"{kind}_off"]["tokens_per_s"]
+        result[kind] = {"auto_vs_off": auto / off, "auto_vs_ideal": auto / ideal, "ideal_tokens_per_s": ideal}
+
+    # Solo speeds under the same slowdown, both at once (one GPU each): GPU 0 normal, GPU 1 slowed.
     with ThreadPoolExecutor(2) as pool:
-        solos = [pool.submit(case, "solo_gpu0", 1, [], "0"),
-                 pool.submit(case, "solo_gpu1_slow_option", 1, ["--debug.slow_ranks=0:0.5"], "1")]
+        solos = [pool.submit(case, name, 1, extra, gpu) for name, extra, gpu in (
+            ("solo_gpu0", [], "0"), ("solo_gpu1_slow_option", ["--debug.slow_ranks=0:0.5"], "1")) if wanted(name)]
         for f in solos:
             f.result()
-    off = case("option_off", 2, ["--debug.slow_ranks=1:0.5"], "0,1")
-    auto = case("option_auto", 2, ["--debug.slow_ranks=1:0.5", "--parallel.balance=auto"], "0,1")
-    ideal = result["cases"]["solo_gpu0"]["tokens_per_s"] + result["cases"]["solo_gpu1_slow_option"]["tokens_per_s"]
-    result["option"] = {"auto_vs_off": auto["tokens_per_s"] / off["tokens_per_s"],
-                        "auto_vs_ideal": auto["tokens_per_s"] / ideal, "ideal_tokens_per_s": ideal}
+    # Two equal GPUs split unevenly on purpose: what an uneven split itself costs, with
+    # partly filled micro-batches ([43, 21] of 64 at micro-batch 8) and with full ones ([48, 16]).
+    for name, weights in (("static_partial", "0.67,0.33"), ("static_full", "0.75,0.25")):
+        if wanted(name):
+            case(name, 2, ["--parallel.balance=static", f"--parallel.balance_weights={weights}"], "0,1")
+    if wanted("option_off"):
+        case("option_off", 2, ["--debug.slow_ranks=1:0.5"], "0,1")
+    if wanted("option_auto"):
+        case("option_auto", 2, ["--debug.slow_ranks=1:0.5", "--parallel.balance=auto"], "0,1")
+    ratios("option", "solo_gpu1_slow_option")
     if a.competitor:
-        case("solo_gpu1_competitor", 1, [], "1", competitor_gpu="1")
-        off = case("competitor_off", 2, [], "0,1", competitor_gpu="1")
-        auto = case("competitor_auto", 2, ["--parallel.balance=auto"], "0,1", competitor_gpu="1")
-        ideal = result["cases"]["solo_gpu0"]["tokens_per_s"] + result["cases"]["solo_gpu1_competitor"]["tokens_per_s"]
-        result["competitor"] = {"auto_vs_off": auto["tokens_per_s"] / off["tokens_per_s"],
-                                "auto_vs_ideal": auto["tokens_per_s"] / ideal, "ideal_tokens_per_s": ideal}
+        if wanted("solo_gpu1_competitor"):
+            case("solo_gpu1_competitor", 1, [], "1", competitor_gpu="1")
+        if wanted("competitor_off"):
+            case("competitor_off", 2, [], "0,1", competitor_gpu="1")
+        if wanted("competitor_auto"):
+            case("competitor_auto", 2, ["--parallel.balance=auto"], "0,1", competitor_gpu="1")
+        ratios("competitor", "solo_gpu1_competitor")
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: result[k] for k in ("option", "competitor") if k in result}))
 

@@ -349,26 +349,54 @@ def _process_name(pid: int) -> str:
         return "?"
 
 
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
 def _link_kind(nvml, handles, i: int, j: int) -> str:
-    """NVLink (with the number of active links to the peer) or the PCIe path between two GPUs."""
+    """NVLink (direct links to the peer, or through NVSwitch as on HGX boards) or the PCIe
+    path between two GPUs. On an NVSwitch board every link ends at a switch, never at the
+    peer GPU, so matching link ends against the peer's PCI address alone finds nothing
+    there (it reported an H200 HGX pair as PCIe); NVML's P2P status over NVLink says it."""
+    handle = handles[i]
     try:
-        peer_pci = nvml.nvmlDeviceGetPciInfo(handles[j]).busId
-        links = 0
-        for link in range(18 * 2):  # NVML_NVLINK_MAX_LINKS differs by generation; stop at the first error
-            try:
-                if nvml.nvmlDeviceGetNvLinkState(handles[i], link) and \
-                        nvml.nvmlDeviceGetNvLinkRemotePciInfo(handles[i], link).busId == peer_pci:
-                    links += 1
-            except Exception:
-                break
-        if links:
-            return f"NVLink x{links}"
+        peer_pci = _text(nvml.nvmlDeviceGetPciInfo(handles[j]).busId)
     except Exception:
-        pass
+        peer_pci = None
+    direct = switched = 0
+    switch_type = getattr(nvml, "NVML_NVLINK_DEVICE_TYPE_SWITCH", 2)
+    for link in range(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18)):
+        try:
+            if not nvml.nvmlDeviceGetNvLinkState(handle, link):
+                continue
+        except Exception:  # no NVLink on this GPU, or past its last link
+            break
+        try:
+            if nvml.nvmlDeviceGetNvLinkRemoteDeviceType(handle, link) == switch_type:
+                switched += 1
+                continue
+        except Exception:
+            pass  # older drivers: fall back to the link's far end
+        try:
+            if peer_pci is not None and _text(nvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId) == peer_pci:
+                direct += 1
+        except Exception:
+            pass
+    try:
+        nvlink_p2p = nvml.nvmlDeviceGetP2PStatus(handle, handles[j], nvml.NVML_P2P_CAPS_INDEX_NVLINK) == \
+            getattr(nvml, "NVML_P2P_STATUS_OK", 0)
+    except Exception:
+        nvlink_p2p = None
+    if direct:
+        return f"NVLink x{direct}"
+    if switched and nvlink_p2p is not False:
+        return f"NVLink through NVSwitch ({switched} links per GPU)"
+    if nvlink_p2p:
+        return "NVLink"
     names = {0: "same board", 10: "same PCIe switch", 20: "PCIe switches", 30: "PCIe host bridge",
              40: "same NUMA node", 50: "across NUMA nodes (SMP)"}
     try:
-        level = nvml.nvmlDeviceGetTopologyCommonAncestor(handles[i], handles[j])
+        level = nvml.nvmlDeviceGetTopologyCommonAncestor(handle, handles[j])
         return f"PCIe ({names.get(int(level), level)})"
     except Exception:
         return "unknown link"

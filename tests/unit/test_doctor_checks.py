@@ -116,3 +116,40 @@ def test_allreduce_figures_follow_nccl_tests():
     assert r["algbw_gbps"] == 2**30 / 0.01 / 1e9
     assert r["busbw_gbps"] == r["algbw_gbps"] * 14 / 8
     assert bandwidth_row(2**20, 1.0, world=2)["busbw_gbps"] == bandwidth_row(2**20, 1.0, world=2)["algbw_gbps"]
+
+
+class FakeLinks:
+    """NVML's NVLink and topology calls for two GPUs wired as `wiring` says."""
+    NVML_NVLINK_MAX_LINKS, NVML_NVLINK_DEVICE_TYPE_SWITCH, NVML_P2P_CAPS_INDEX_NVLINK, NVML_P2P_STATUS_OK = 18, 2, 3, 0
+
+    def __init__(self, wiring: str):
+        self.wiring = wiring
+
+    def nvmlDeviceGetPciInfo(self, h):
+        return type("Pci", (), {"busId": f"00000000:{h + 1}8:00.0".encode()})()
+
+    def nvmlDeviceGetNvLinkState(self, h, link):
+        if self.wiring == "pcie":
+            raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+        return 1
+
+    def nvmlDeviceGetNvLinkRemoteDeviceType(self, h, link):
+        return 2 if self.wiring == "nvswitch" else 0  # 0: a GPU
+
+    def nvmlDeviceGetNvLinkRemotePciInfo(self, h, link):
+        return self.nvmlDeviceGetPciInfo(1 - h)
+
+    def nvmlDeviceGetP2PStatus(self, a, b, index):
+        return 0 if self.wiring != "pcie" else 4  # 4: NVML_P2P_STATUS_NOT_SUPPORTED
+
+    def nvmlDeviceGetTopologyCommonAncestor(self, a, b):
+        return 30
+
+
+def test_link_kind_reads_direct_nvlink_nvswitch_and_pcie():
+    from duoka.doctor.checks import _link_kind
+
+    assert _link_kind(FakeLinks("direct"), [0, 1], 0, 1) == "NVLink x18"
+    # HGX H100/H200: every link ends at an NVSwitch (this read as PCIe on a real H200 pair once).
+    assert _link_kind(FakeLinks("nvswitch"), [0, 1], 0, 1) == "NVLink through NVSwitch (18 links per GPU)"
+    assert _link_kind(FakeLinks("pcie"), [0, 1], 0, 1) == "PCIe (PCIe host bridge)"

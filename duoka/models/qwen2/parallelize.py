@@ -83,15 +83,20 @@ def parallelize_qwen2(model: Qwen2, dims: ParallelDims, mesh: DeviceMesh, cfg: C
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
     if cfg.training.compile:
         for block in model.layers.values():
-            if dims.tp > 1 or block_timer is not None:
+            if dims.tp > 1:
                 # The tensor-parallel plan's input/output hooks must stay outside the
                 # compiled region: a whole compiled block gave wrong gradients (torch 2.13),
                 # this way the gradients equal one process's (checked by hand, see the
                 # issue-5 note; too slow to compile in CI). Compiling the
                 # attention and MLP bodies still removes DTensor's dispatch from the matmuls.
-                # The block timer's CUDA events must stay outside the compiled region too.
                 block.attention.forward = torch.compile(block.attention.forward, fullgraph=True)
                 block.feed_forward.forward = torch.compile(block.feed_forward.forward, fullgraph=True)
+            elif block_timer is not None:
+                # The block timer's CUDA events must stay outside the compiled region, so it
+                # wraps the compiled forward below; the whole forward (norms and residuals
+                # included) is still one graph. Compiling only the attention and MLP bodies
+                # here left the norms eager in every balanced run.
+                block.forward = torch.compile(block.forward, fullgraph=True)
             else:
                 block.compile(fullgraph=True)  # in place: parameter names stay the same
         # The fused loss's softmax pass too (not under tp: its logits are DTensors in loss_parallel).
