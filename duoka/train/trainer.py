@@ -43,7 +43,7 @@ from duoka.models.qwen2.hf_adapter import load_hf_weights, save_hf_state_dict
 from duoka.models.qwen2.model import build_model
 from duoka.models.qwen2.parallelize import parallelize_qwen2, unwrap
 from duoka.monitor.alerts import check as check_alerts
-from duoka.monitor.gpu import THROTTLING, GpuSampler, decode_clock_reasons, index_of_uuid, load_nvml
+from duoka.monitor.gpu import GpuSampler, decode_clock_reasons, index_of_uuid, load_nvml
 from duoka.monitor.metrics import MetricsFile, mfu, peak_flops
 from duoka.monitor.sinks import PrometheusSink, TensorBoardSink
 from duoka.parallel.balance import Balancer, BlockTimer, parse_rank_factors
@@ -142,7 +142,7 @@ def select_attention_kernel(choice: str, device: torch.device) -> None:
 ROW_FIELDS = ("loss_sum", "tokens", "step_time", "data_time", "stop", "peak_gib", "forward_s", "samples",
               "active_gib", "alloc_retries", "ooms", "gpu_index", "gpu_util", "gpu_mem_used", "gpu_mem_total",
               "gpu_temp", "gpu_power", "gpu_sm_clock", "gpu_clock_mask", "gpu_pcie_tx", "gpu_pcie_rx", "gpu_nvlink_tx",
-              "gpu_nvlink_rx", "gpu_sm_active", "gpu_sm_occupancy", "save_done")
+              "gpu_nvlink_rx", "gpu_sm_active", "gpu_sm_occupancy", "gpu_throttle_mask", "save_done")
 COL = {name: i for i, name in enumerate(ROW_FIELDS)}
 ALERT_WARMUP_STEPS = 3
 
@@ -161,7 +161,7 @@ def _gpu_reading(rank: int, row: torch.Tensor) -> dict:
             "pcie_tx_bytes_per_s": value("gpu_pcie_tx"), "pcie_rx_bytes_per_s": value("gpu_pcie_rx"),
             "nvlink_tx_bytes_per_s": value("gpu_nvlink_tx"), "nvlink_rx_bytes_per_s": value("gpu_nvlink_rx"),
             "sm_active_pct": value("gpu_sm_active"), "sm_occupancy_pct": value("gpu_sm_occupancy"),
-            "throttled": [r for r in reasons if r in THROTTLING]}
+            "throttled": decode_clock_reasons(value("gpu_throttle_mask", int))}
 
 
 # The data thread builds up to PREFETCH_DEPTH + 1 steps ahead of the one training. New
@@ -223,7 +223,7 @@ class Trainer:
         # CUDA_VISIBLE_DEVICES); the readings travel in the per-step all-gather.
         self.gpu_sampler = self._gpu_sampler()
         self.active_alerts: set[str] = set()
-        self.block_timer = BlockTimer(self.device, self.slow_factor) \
+        self.block_timer = BlockTimer(self.device, self.slow_factor, varying_batch=cfg.parallel.balance != "off") \
             if cfg.parallel.balance != "off" or self.slow_factor < 1 else None
         self.model = self._build_pipeline() if self.dims.pp > 1 else self._build_model()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -657,7 +657,7 @@ class Trainer:
                 ("sm_clock", g.sm_clock_mhz), ("clock_mask", g.clock_mask), ("pcie_tx", g.pcie_tx_bytes_per_s),
                 ("pcie_rx", g.pcie_rx_bytes_per_s), ("nvlink_tx", g.nvlink_tx_bytes_per_s),
                 ("nvlink_rx", g.nvlink_rx_bytes_per_s), ("sm_active", g.sm_active_pct),
-                ("sm_occupancy", g.sm_occupancy_pct)) if v is not None})
+                ("sm_occupancy", g.sm_occupancy_pct), ("throttle_mask", g.throttle_mask)) if v is not None})
         mine = torch.tensor([row[k] for k in ROW_FIELDS], device=self.device, dtype=torch.float64)
         gathered = [torch.zeros_like(mine) for _ in range(self.world)]
         dist.all_gather(gathered, mine)

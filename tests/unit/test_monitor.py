@@ -66,12 +66,23 @@ class FakeNVML:
 
     NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_TX, NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX = 138, 139
 
+    NVML_NVLINK_MAX_LINKS = 18
+    nvlink_links = 2  # active links on GPU 0; the other 16 answer "not supported"
+
     def nvmlDeviceGetFieldValues(self, h, fields):
+        """Per (field, link): link counters of cumulative KiB, rx twice tx."""
         if h == 1:  # no NVLink: NVML answers "not supported" in each value
             return [SimpleNamespace(nvmlReturn=3, value=SimpleNamespace(ullVal=0)) for _ in fields]
         self.nvlink_kib += 1000
-        return [SimpleNamespace(nvmlReturn=0, value=SimpleNamespace(ullVal=self.nvlink_kib * (1 + k)))
-                for k, _ in enumerate(fields)]
+        out = []
+        for field, link in fields:
+            per_link = self.nvlink_kib * (2 if field == self.NVML_FI_DEV_NVLINK_THROUGHPUT_DATA_RX else 1)
+            out.append(SimpleNamespace(nvmlReturn=0 if link < self.nvlink_links else 3,
+                                       value=SimpleNamespace(ullVal=per_link)))
+        return out
+
+    def nvmlDeviceGetPowerManagementDefaultLimit(self, h):
+        return 700_000
 
     def nvmlDeviceGetPcieThroughput(self, h, counter):
         if h == 1:
@@ -117,7 +128,12 @@ def test_readings_decoded_and_gaps_are_none():
         ("GPU-0000-0", "NVIDIA H200", 97, 55, 650.0, 1980)
     assert a.pcie_tx_bytes_per_s == 1000 * 1024 and a.throttled == []
     assert b.power_w is None and b.pcie_rx_bytes_per_s is None  # not supported: a gap, not an error
-    assert b.clock_reasons == ["power cap (software)", "thermal (software)"] and b.throttled == b.clock_reasons
+    # At its default power limit a busy GPU's power cap is its design point, not an alert.
+    assert b.clock_reasons == ["power cap (software)", "thermal (software)"] and b.throttled == ["thermal (software)"]
+    assert b.throttle_mask == 0x20
+    lowered = gpu.GpuSample(index=0, uuid="u", name="n", time=0.0, clock_reasons=["power cap (software)"],
+                            power_limit_w=450.0, power_limit_default_w=700.0)
+    assert lowered.throttled == ["power cap (software)"] and lowered.throttle_mask == 0x4
     assert gpu.decode_clock_reasons(0x1) == ["idle"]
     assert gpu.index_of_uuid(nvml, "0000-1") == 1 and gpu.index_of_uuid(nvml, "GPU-9") is None
 
@@ -128,7 +144,8 @@ def test_nvlink_rate_from_the_counters_change():
     second = gpu.read_sample(nvml, 0, 0)
     second.time = first.time + 0.5
     gpu.with_rates(second, first)
-    assert second.nvlink_tx_bytes_per_s == 1000 * 1024 / 0.5 and second.nvlink_rx_bytes_per_s == 2 * 1000 * 1024 / 0.5
+    # Summed over the two active links (read per link: scope 0 alone was one link of 18 on H200).
+    assert second.nvlink_tx_bytes_per_s == 2 * 1000 * 1024 / 0.5 and second.nvlink_rx_bytes_per_s == 4 * 1000 * 1024 / 0.5
     none = gpu.with_rates(gpu.read_sample(nvml, 1, 1), gpu.read_sample(nvml, 1, 1))
     assert none.nvlink_kib_totals is None and none.nvlink_tx_bytes_per_s is None
 
