@@ -30,6 +30,7 @@ the window restarts.
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -207,15 +208,24 @@ class BlockTimer:
 
     `slow_factor` < 1 (debug.slow_ranks) makes the rank 1/slow_factor times slower: after
     each block's forward the host waits for the device, then sleeps (1/slow_factor - 1)
-    times the block's elapsed time, and twice that in its backward (a backward costs about
-    two forwards). The sleep lies inside the measured interval, as a slower GPU's extra
-    time would. (A GPU-side spin sized from event times does not do this: in a launch-
+    times the block's elapsed time; its backward is timed between a hook on the block's
+    output gradient and one on its input gradient and stretched the same way. (Sleeping
+    twice the forward's extra in backward instead made the rank's whole step slow down by
+    another factor than the measured forward: on 2 x H200 the balancer then moved too much
+    of the batch away from it.) The sleep lies inside the measured interval, as a slower
+    GPU's extra time would. (A GPU-side spin sized from event times does not do this: in a launch-
     bound run it only fills idle gaps; measured on H200, bench/results/balance_gpu.md.)"""
 
-    def __init__(self, device: torch.device, slow_factor: float = 1.0):
+    def __init__(self, device: torch.device, slow_factor: float = 1.0, varying_batch: bool = False):
         self.cuda = device.type == "cuda"
         self.device = device
         self.slow_factor = slow_factor
+        # Balanced shares give micro-batches of changing sizes. Marking the batch dimension
+        # dynamic before the first compile makes one graph serve every size; otherwise the
+        # first new size recompiles mid-run (a 27 s stall on one H200 rank for Qwen2-0.5B,
+        # bench/results/balance_gpu.md). The dynamic graph ran as fast as the static one.
+        self.varying_batch = varying_batch
+        self._slept = 0.0  # seconds slept in backward so far (see _backward_finished)
         self.intervals: list = []
 
     def _slow_down(self, started: float) -> float:
@@ -226,25 +236,46 @@ class BlockTimer:
         time.sleep(extra)
         return extra
 
-    def _backward_sleep(self, seconds: float, grad: torch.Tensor) -> torch.Tensor:
-        # Wait for the device first, as in forward: otherwise the host's sleep overlaps the
-        # kernels already queued and the rank slows down less than asked.
+    def _backward_started(self, box: list, grad: torch.Tensor) -> torch.Tensor:
+        # Wait for the device first, as in forward: otherwise the host's clock runs ahead of
+        # the kernels already queued and the rank slows down less than asked.
         if self.cuda:
             torch.cuda.synchronize(self.device)
-        time.sleep(seconds)
+        box[:] = [time.perf_counter(), self._slept]
+        return grad
+
+    def _backward_finished(self, box: list, grad: torch.Tensor) -> torch.Tensor:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        if box:
+            started, slept = box
+            # The block's own backward: the hooks of the block below start its clock before
+            # this one sleeps (they share this tensor), so sleeps are taken out of every interval.
+            own = time.perf_counter() - started - (self._slept - slept)
+            extra = (1.0 / self.slow_factor - 1.0) * max(0.0, own)
+            time.sleep(extra)
+            self._slept += extra
         return grad
 
     def wrap(self, forward):
         def timed_forward(*args, **kwargs):
+            if self.varying_batch and args and isinstance(args[0], torch.Tensor):
+                batch = args[0].shape[0]
+                for t in (*args, *kwargs.values()):
+                    if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == batch:
+                        torch._dynamo.maybe_mark_dynamic(t, 0)
             started = time.perf_counter()
             if self.cuda:
                 start = torch.cuda.Event(enable_timing=True)
                 start.record()
             out = forward(*args, **kwargs)
             if self.slow_factor < 1:
-                extra = self._slow_down(started)
-                if out.requires_grad:
-                    out.register_hook(lambda grad: self._backward_sleep(2 * extra, grad))
+                self._slow_down(started)
+                x = args[0] if args else None
+                if out.requires_grad and isinstance(x, torch.Tensor) and x.requires_grad:
+                    box: list = []
+                    out.register_hook(functools.partial(self._backward_started, box))
+                    x.register_hook(functools.partial(self._backward_finished, box))
             if self.cuda:
                 end = torch.cuda.Event(enable_timing=True)
                 end.record()
