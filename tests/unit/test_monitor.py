@@ -313,10 +313,12 @@ def test_html_report_has_a_chart_per_reading(tmp_path):
 
     page = Charts()
     page.feed(out.read_text())
-    assert page.captions == ["Loss", "Throughput (tokens/s)", "MFU (%)", "Step breakdown (rank 0) (ms)",
-                             "GPU utilisation (%)", "SM activity (NVML GPM) (%)", "GPU memory used (GiB)", "Peak allocated memory per rank (GiB)",
-                             "Load-balance shares (samples)"]
-    assert all(len(p) == 6 for p in page.polylines)  # one point per step in every series
+    assert page.captions == ["Loss", "Throughput (tokens/s)", "MFU (%)", "Step breakdown (rank 0, from step 2) (ms)",
+                             "GPU utilisation (%)", "SM activity (NVML GPM) (%)", "GPU memory used (GiB)",
+                             "Peak allocated memory per rank (GiB)", "Load-balance shares (samples)"]
+    # One point per step in every series: loss (2 series), throughput, MFU; the breakdown's
+    # two phases from step 2 (step 1 compiles); then the per-GPU charts.
+    assert [len(p) for p in page.polylines] == [6] * 4 + [5] * 2 + [6] * (len(page.polylines) - 6)
     # The loss falls: its y pixel coordinate grows (SVG y points down).
     ys = [float(p.split(",")[1]) for p in page.polylines[0]]
     assert ys == sorted(ys) and ys[0] < ys[-1]
