@@ -5,7 +5,8 @@ auto, against the ideal (the sum of each GPU's solo speed under the same slowdow
 
 Slowdown by the option (`--debug.slow_ranks=1:0.5`) and, with --competitor, by a real
 competing process running bf16 matrix products on GPU 1. Throughput is taken over the
-steps after the last change of shares (auto) or the same late steps (off).
+last --last steps, from the second step on the final shares at the earliest (auto), or the
+same late steps (off).
 """
 
 from __future__ import annotations
@@ -49,8 +50,19 @@ def train(run: Path, model: str, nproc: int, extra: list[str], steps: int, devic
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
 
 
+def timed_steps(recs: list[dict], last: int) -> list[dict]:
+    """The last `last` steps, but none before the second step on the final shares: the
+    first step on new shares meets new micro-batch sizes (the loss recompiles for them;
+    run 5's blocks recompiled too, a 27 s step, before the batch dimension was marked
+    dynamic)."""
+    shares = [r.get("balance", {}).get("shares") for r in recs]
+    changes = [i for i in range(1, len(recs)) if shares[i] != shares[i - 1]]
+    first = max(len(recs) - last, changes[-1] + 1 if changes else 0)
+    return recs[first:]
+
+
 def throughput(recs: list[dict], last: int) -> float:
-    tail = recs[-last:]
+    tail = timed_steps(recs, last)
     return sum(r["tokens_per_s"] * r["step_time_s"] for r in tail) / sum(r["step_time_s"] for r in tail)
 
 
@@ -84,7 +96,8 @@ def main() -> None:
             if comp is not None:
                 comp.kill()
         per_rank = [x.get("per_rank", {}) for x in recs]
-        r = {"tokens_per_s": throughput(recs, a.last), "wall_s": time.time() - t0,
+        r = {"tokens_per_s": throughput(recs, a.last), "timed_steps": len(timed_steps(recs, a.last)),
+             "wall_s": time.time() - t0,
              "shares": [x.get("balance", {}).get("shares") for x in recs],
              "speed": [x.get("balance", {}).get("speed") for x in recs],
              # Where each step's time went, to explain a gap to the ideal.
