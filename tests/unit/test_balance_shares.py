@@ -68,3 +68,18 @@ def test_parsing_errors_name_the_fix():
     assert parse_weights("1,0.5", 2) == [1.0, 0.5]
     with pytest.raises(DuokaError, match="2 positive"):
         parse_weights("1,0.5,1", 2)
+
+
+def test_balance_refuses_model_parallel_layouts_and_static_without_weights():
+    """The launcher runs this check before any worker starts (duoka/parallel/launch.py)."""
+    from duoka.config import load_config
+    from duoka.parallel.balance import check_config
+
+    cfg = load_config(None, ["--parallel.pp=2", "--parallel.balance=auto"])
+    with pytest.raises(DuokaError, match="pp_layers=measured"):
+        check_config(cfg.parallel, cfg.debug, model_parallel=True, tp=1, pp=2, dp_size=1, world=2)
+    cfg = load_config(None, ["--parallel.balance=static"])
+    with pytest.raises(DuokaError, match="needs parallel.balance_weights"):
+        check_config(cfg.parallel, cfg.debug, model_parallel=False, tp=1, pp=1, dp_size=2, world=2)
+    cfg = load_config(None, ["--parallel.balance=static", "--parallel.balance_weights=1,0.5"])
+    assert check_config(cfg.parallel, cfg.debug, model_parallel=False, tp=1, pp=1, dp_size=2, world=2) == [1.0, 0.5]
