@@ -9,29 +9,15 @@ multi-node launcher (torchrun sets WORLD_SIZE) the all-reduce spans every node's
 from __future__ import annotations
 
 import os
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from duoka.train.profiling import median_seconds
+
 SIZES = (2**20, 2**24, 2**28, 2**30)  # 1 MiB .. 1 GiB per rank
-
-
-def _median_seconds(fn, device: torch.device, iters: int, warmup: int = 3) -> float:
-    times = []
-    for i in range(warmup + iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def matmul_tflops(device: torch.device, n: int = 8192, iters: int = 10) -> float:
@@ -41,7 +27,7 @@ def matmul_tflops(device: torch.device, n: int = 8192, iters: int = 10) -> float
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    seconds = _median_seconds(lambda: a @ b, device, iters)
+    seconds = median_seconds(lambda: a @ b, device, iters)
     return 2 * n**3 / seconds / 1e12
 
 
@@ -49,8 +35,8 @@ def copy_bandwidth(device: torch.device, size: int = 2**30) -> tuple[float, floa
     """Host-to-device and device-to-host GB/s with pinned host memory."""
     host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(size, dtype=torch.uint8, device=device)
-    h2d = size / _median_seconds(lambda: dev.copy_(host, non_blocking=True), device, 5) / 1e9
-    d2h = size / _median_seconds(lambda: host.copy_(dev, non_blocking=True), device, 5) / 1e9
+    h2d = size / median_seconds(lambda: dev.copy_(host, non_blocking=True), device, 5) / 1e9
+    d2h = size / median_seconds(lambda: host.copy_(dev, non_blocking=True), device, 5) / 1e9
     return h2d, d2h
 
 
@@ -74,7 +60,7 @@ def _allreduce_loop(device: torch.device, sizes, out: str | None) -> list[dict]:
     for size in sizes:
         x = torch.ones(size // 4, dtype=torch.float32, device=device)
         iters = 20 if size <= 2**24 else 5
-        rows.append(bandwidth_row(size, _median_seconds(lambda: dist.all_reduce(x), device, iters), world))
+        rows.append(bandwidth_row(size, median_seconds(lambda: dist.all_reduce(x), device, iters), world))
     if out is not None and dist.get_rank() == 0:
         Path(out).write_text(repr(rows))
     return rows

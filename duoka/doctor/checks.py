@@ -288,7 +288,7 @@ def _infiniband() -> list[tuple[str, str, str]]:
 def gather(port: int = 29500, disk_path: str = ".") -> Facts:
     import torch
 
-    from duoka.monitor.gpu import decode_clock_reasons, load_nvml
+    from duoka.monitor.gpu import decode_clock_reasons, load_nvml, nvml_text
     from duoka.parallel.launch import port_is_free
 
     nvml = load_nvml()
@@ -317,7 +317,7 @@ def gather(port: int = 29500, disk_path: str = ".") -> Facts:
             pending = maybe(nvml.nvmlDeviceGetRetiredPagesPendingStatus, h)
             uuid = nvml.nvmlDeviceGetUUID(h)
             gpus.append(GpuFacts(
-                i, name.decode() if isinstance(name, bytes) else name, uuid.decode() if isinstance(uuid, bytes) else uuid,
+                i, nvml_text(name), nvml_text(uuid),
                 tuple(cap) if cap else None, int(mem.total), int(mem.used),
                 [(p.pid, _process_name(p.pid), int(p.usedGpuMemory or 0)) for p in procs],
                 maybe(nvml.nvmlDeviceGetTemperature, h, nvml.NVML_TEMPERATURE_GPU), decode_clock_reasons(reasons),
@@ -349,18 +349,16 @@ def _process_name(pid: int) -> str:
         return "?"
 
 
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def _link_kind(nvml, handles, i: int, j: int) -> str:
     """NVLink (direct links to the peer, or through NVSwitch as on HGX boards) or the PCIe
     path between two GPUs. On an NVSwitch board every link ends at a switch, never at the
     peer GPU, so matching link ends against the peer's PCI address alone finds nothing
     there (it reported an H200 HGX pair as PCIe); NVML's P2P status over NVLink says it."""
+    from duoka.monitor.gpu import nvml_text
+
     handle = handles[i]
     try:
-        peer_pci = _text(nvml.nvmlDeviceGetPciInfo(handles[j]).busId)
+        peer_pci = nvml_text(nvml.nvmlDeviceGetPciInfo(handles[j]).busId)
     except Exception:
         peer_pci = None
     direct = switched = 0
@@ -378,7 +376,8 @@ def _link_kind(nvml, handles, i: int, j: int) -> str:
         except Exception:
             pass  # older drivers: fall back to the link's far end
         try:
-            if peer_pci is not None and _text(nvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId) == peer_pci:
+            far_end = nvml_text(nvml.nvmlDeviceGetNvLinkRemotePciInfo(handle, link).busId)
+            if peer_pci is not None and far_end == peer_pci:
                 direct += 1
         except Exception:
             pass

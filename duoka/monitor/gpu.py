@@ -92,7 +92,8 @@ def _maybe(fn, *args):
         return None
 
 
-def _text(value) -> str:
+def nvml_text(value) -> str:
+    """NVML strings: bytes from older pynvml, str from newer."""
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
@@ -139,7 +140,7 @@ def read_sample(nvml, handle, index: int) -> GpuSample:
     tx = _maybe(nvml.nvmlDeviceGetPcieThroughput, handle, nvml.NVML_PCIE_UTIL_TX_BYTES)
     rx = _maybe(nvml.nvmlDeviceGetPcieThroughput, handle, nvml.NVML_PCIE_UTIL_RX_BYTES)
     return GpuSample(
-        index=index, uuid=_text(nvml.nvmlDeviceGetUUID(handle)), name=_text(nvml.nvmlDeviceGetName(handle)),
+        index=index, uuid=nvml_text(nvml.nvmlDeviceGetUUID(handle)), name=nvml_text(nvml.nvmlDeviceGetName(handle)),
         time=time.time(),
         utilization_pct=None if util is None else int(util.gpu),
         memory_used_bytes=None if mem is None else int(mem.used),
@@ -176,7 +177,7 @@ def index_of_uuid(nvml, uuid: str) -> int | None:
     """NVML index of the GPU with this UUID (torch gives it without the "GPU-" prefix)."""
     want = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
     for i in range(nvml.nvmlDeviceGetCount()):
-        if _text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))) == want:
+        if nvml_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))) == want:
             return i
     return None
 

@@ -6,10 +6,28 @@ from __future__ import annotations
 
 import contextlib
 import json
+import statistics
+import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+
+
+def median_seconds(fn, device: torch.device, iters: int, warmup: int = 3) -> float:
+    """Median wall time of `fn` over `iters` calls after `warmup` untimed ones (kernels
+    and allocator warm), each bracketed by device synchronizes on GPU."""
+    times = []
+    for i in range(warmup + iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
 
 
 @contextlib.contextmanager

@@ -6,8 +6,6 @@ import time
 import urllib.request
 from types import SimpleNamespace
 
-import pytest
-
 from duoka.monitor import gpu
 from duoka.monitor.alerts import check
 from duoka.monitor.sinks import PrometheusSink, TensorBoardSink

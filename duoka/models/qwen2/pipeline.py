@@ -115,11 +115,10 @@ def measure_stage_costs(args: ModelArgs, micro_batch: int, seq_len: int, device:
     """Seconds for the forward and backward of one decoder block and of the output head
     with its cross-entropy, measured on this device at the training micro-batch: what
     pp_layers=measured balances. Random weights; the median of `repeats` after a warm-up."""
-    import time
-
     import torch.nn.functional as F
 
     from duoka.models.qwen2.model import TransformerBlock, rope_cos_sin
+    from duoka.train.profiling import median_seconds
 
     block = TransformerBlock(args).to(device=device, dtype=dtype)
     head = torch.nn.Linear(args.dim, args.vocab_size, bias=False).to(device=device, dtype=dtype)
@@ -127,21 +126,9 @@ def measure_stage_costs(args: ModelArgs, micro_batch: int, seq_len: int, device:
     cos, sin = rope_cos_sin(torch.arange(seq_len, device=device), args.resolved_head_dim, args.rope_theta, dtype)
     labels = torch.randint(0, args.vocab_size, (micro_batch * seq_len,), device=device)
 
-    def timed(fn) -> float:
-        samples = []
-        for i in range(repeats + 1):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i:  # the first call warms up kernels and allocator
-                samples.append(time.perf_counter() - t)
-        return sorted(samples)[len(samples) // 2]
-
-    layer = timed(lambda: block(x, cos, sin).sum().backward())
-    head_s = timed(lambda: F.cross_entropy(head(x).float().flatten(0, 1), labels).backward())
+    layer = median_seconds(lambda: block(x, cos, sin).sum().backward(), device, repeats, warmup=1)
+    head_s = median_seconds(lambda: F.cross_entropy(head(x).float().flatten(0, 1), labels).backward(), device,
+                            repeats, warmup=1)
     return layer, head_s
 
 
