@@ -22,6 +22,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from duoka.bench import run_process_group, stop_process_groups_on_signal
 
 COMPETITOR = """
 import torch, time
@@ -43,7 +46,9 @@ def train(run: Path, model: str, nproc: int, extra: list[str], steps: int, devic
            f"--nproc-per-node={nproc}", f"--parallel.balance_window={window}", *compile_flag, *extra]
     # Recompilations (a new micro-batch size recompiles the blocks) are logged to the case's log.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": devices, "TORCH_LOGS": "recompiles"}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    # A session of its own, killed whole on any exit: a case cut off by a time limit must not
+    # leave its training workers on the GPUs (one did, and voided the measurements after it).
+    proc = run_process_group(cmd, 600, env)
     if proc.returncode != 0:
         raise RuntimeError(proc.stderr[-3000:])
     (run.parent / f"{run.name}.log").write_text(proc.stderr)
@@ -78,20 +83,25 @@ def main() -> None:
     ap.add_argument("--eager", action="store_true", help="no torch.compile (run 1 was eager and launch-bound)")
     ap.add_argument("--competitor", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated case names (default: all)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every case, e.g. parallel.dp_mode=fsdp (repeatable)")
     a = ap.parse_args()
+    stop_process_groups_on_signal()
     work = Path(tempfile.mkdtemp(prefix="duoka-balance-"))
-    result = {"model": a.model, "micro_batch": a.micro_batch, "steps": a.steps, "timed_last": a.last, "cases": {}}
+    result = {"model": a.model, "micro_batch": a.micro_batch, "steps": a.steps, "timed_last": a.last,
+              "set": a.set, "cases": {}}
 
     def case(name, nproc, extra, devices, competitor_gpu=None):
         comp = None
         if competitor_gpu is not None:
+            # It ends by itself after 300 s, so a killed script cannot leave it running for long.
             comp = subprocess.Popen([sys.executable, "-c", COMPETITOR.format(seconds=300)],
                                     env={**os.environ, "CUDA_VISIBLE_DEVICES": competitor_gpu})
             time.sleep(5)
         try:
             t0 = time.time()
-            recs = train(work / name, a.model, nproc, extra, a.steps, devices, a.micro_batch, a.window, a.seq,
-                         [] if a.eager else ["--training.compile=true"])
+            recs = train(work / name, a.model, nproc, [*extra, *(f"--{kv}" for kv in a.set)], a.steps, devices,
+                         a.micro_batch, a.window, a.seq, [] if a.eager else ["--training.compile=true"])
         finally:
             if comp is not None:
                 comp.kill()
@@ -124,12 +134,21 @@ def main() -> None:
         auto, off = cases[f"{kind}_auto"]["tokens_per_s"], cases[f"{kind}_off"]["tokens_per_s"]
         result[kind] = {"auto_vs_off": auto / off, "auto_vs_ideal": auto / ideal, "ideal_tokens_per_s": ideal}
 
+    def in_parallel(*cases):
+        """One-GPU cases on different GPUs, at the same time."""
+        with ThreadPoolExecutor(len(cases)) as pool:
+            for f in [pool.submit(case, *c) for c in cases if wanted(c[0])]:
+                f.result()
+
     # Solo speeds under the same slowdown, both at once (one GPU each): GPU 0 normal, GPU 1 slowed.
-    with ThreadPoolExecutor(2) as pool:
-        solos = [pool.submit(case, name, 1, extra, gpu) for name, extra, gpu in (
-            ("solo_gpu0", [], "0"), ("solo_gpu1_slow_option", ["--debug.slow_ranks=0:0.5"], "1")) if wanted(name)]
-        for f in solos:
-            f.result()
+    in_parallel(("solo_gpu0", 1, [], "0"), ("solo_gpu1_slow_option", 1, ["--debug.slow_ranks=0:0.5"], "1"))
+    # What the balanced path itself costs on one GPU (block timer, whole-block compile with a
+    # dynamic batch dimension), beside GPU 1's solo speed with the competitor; then what two
+    # equal GPUs reach evenly split. Together they explain a gap between auto and the ideal.
+    in_parallel(("solo_gpu0_timer", 1, ["--parallel.balance=static", "--parallel.balance_weights=1"], "0"),
+                *([("solo_gpu1_competitor", 1, [], "1", "1")] if a.competitor else []))
+    if wanted("even_off"):
+        case("even_off", 2, [], "0,1")
     # Two equal GPUs split unevenly on purpose: what an uneven split itself costs, with
     # partly filled micro-batches ([43, 21] of 64 at micro-batch 8) and with full ones ([48, 16]).
     for name, weights in (("static_partial", "0.67,0.33"), ("static_full", "0.75,0.25")):
@@ -141,8 +160,6 @@ def main() -> None:
         case("option_auto", 2, ["--debug.slow_ranks=1:0.5", "--parallel.balance=auto"], "0,1")
     ratios("option", "solo_gpu1_slow_option")
     if a.competitor:
-        if wanted("solo_gpu1_competitor"):
-            case("solo_gpu1_competitor", 1, [], "1", competitor_gpu="1")
         if wanted("competitor_off"):
             case("competitor_off", 2, [], "0,1", competitor_gpu="1")
         if wanted("competitor_auto"):

@@ -19,7 +19,7 @@ import time
 import traceback
 from pathlib import Path
 
-from duoka.bench import DEFAULT_PEER, bench
+from duoka.bench import DEFAULT_PEER, bench, stop_process_groups_on_signal
 
 
 def parse_case(text: str) -> dict:
@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--peer", default=str(DEFAULT_PEER))
     a = ap.parse_args()
+    stop_process_groups_on_signal()
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()

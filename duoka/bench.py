@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -104,7 +105,7 @@ def run_duoka(model: str, layout: str, seq: int, micro_batch: int, global_batch:
         cmd.append(f"--metrics.profile_step={warmup}")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        proc = run_process_group(cmd, timeout, env)
         if proc.returncode != 0:
             tail = proc.stderr.strip().splitlines()[-12:]
             raise DuokaError(f"duoka train failed for {model} {layout}:\n    " + "\n    ".join(tail),
@@ -119,6 +120,46 @@ def run_duoka(model: str, layout: str, seq: int, micro_batch: int, global_batch:
     return result
 
 
+_LIVE_GROUPS: set[int] = set()  # sessions started by run_process_group and still running
+
+
+def stop_process_groups_on_signal() -> None:
+    """On SIGTERM or SIGINT (a `timeout` around a bench script), kill every session that
+    run_process_group started, then exit: otherwise they outlive the script."""
+    def handler(signum, frame):
+        for pgid in list(_LIVE_GROUPS):
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def run_process_group(cmd: list[str], timeout: float, env: dict) -> subprocess.CompletedProcess:
+    """Runs a launcher (torchrun and its workers) in a session of its own and kills the whole
+    session when it ends or times out. subprocess.run's timeout kills only the launcher, and
+    its orphaned workers kept training on the GPUs beside the next measurement (2 x H200,
+    session 4: every figure after it was halved)."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    _LIVE_GROUPS.add(proc.pid)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise DuokaError(f"{' '.join(cmd[:4])} ... ran past {timeout} s and was stopped with its workers",
+                         "raise --timeout, or run fewer steps") from None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # after a clean exit there is nothing left to kill
+        except ProcessLookupError:
+            pass
+        _LIVE_GROUPS.discard(proc.pid)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def run_peer(peer: Path, model: str, info: dict, seq: int, micro_batch: int, steps: int, warmup: int, nproc: int,
              timeout: int) -> dict:
     if model not in PEER_MODELS:
@@ -131,7 +172,7 @@ def run_peer(peer: Path, model: str, info: dict, seq: int, micro_batch: int, ste
            f"--model={PEER_MODELS[model]}", f"--mode={mode}", f"--seq={seq}", f"--mbs={micro_batch}",
            f"--steps={steps}", f"--warmup={warmup}"] + (["--ac"] if info["ac"] else []) + \
         (["--compile"] if info["compile"] else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    proc = run_process_group(cmd, timeout, dict(os.environ))
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-8:]

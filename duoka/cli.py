@@ -384,8 +384,9 @@ def run_bench(a: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from duoka.bench import DEFAULT_PEER, bench, render
+    from duoka.bench import DEFAULT_PEER, bench, render, stop_process_groups_on_signal
 
+    stop_process_groups_on_signal()  # a stopped `duoka bench` takes its training workers with it
     result = bench(a.model, a.layout, a.seq, a.micro_batch, a.steps, a.warmup, a.global_batch, a.vs_peer,
                    Path(a.peer) if a.peer else DEFAULT_PEER, a.nproc_per_node, a.timeout, a.set, a.profile)
     render(result, Console(stderr=True))
