@@ -31,11 +31,11 @@ def check(record: dict, n_params: float, *, imbalance=0.15, memory=0.90, data_wa
     out: list[Alert] = []
     step_time = record.get("step_time_s") or 0.0
 
-    # Ranks of a synchronous job wait for the slowest: compare their own work, the block
-    # forward times (balance on) or else the GPUs' utilisation.
+    # Ranks of a synchronous job wait for the slowest: compare their own work, the timed
+    # compute (balance on) or else the GPUs' utilisation.
     balance = record.get("balance")
-    if balance and all(t for t in balance.get("forward_s", [])) and len(balance["forward_s"]) > 1:
-        times = balance["forward_s"]
+    if balance and all(t for t in balance.get("compute_s", [])) and len(balance["compute_s"]) > 1:
+        times = balance["compute_s"]
         slow = max(range(len(times)), key=times.__getitem__)
         spread = (max(times) - min(times)) / statistics.median(times)
         if spread > imbalance and balance.get("mode") != "auto":

@@ -15,11 +15,10 @@ and no share falls below that count (no empty micro-batch is ever needed). A ran
 micro-batch never exceeds training.micro_batch_size: the fast rank gets more or fuller
 micro-batches, never bigger ones than fit.
 
-How the speed is measured. BlockTimer times each decoder block's forward on the rank
-itself: CUDA events inside the block's forward (after FSDP2's pre-forward hook has made
-the stream wait for the all-gather, so waiting for a slower peer is not counted), wall
-clock on CPU. Seconds per sample over a window of steps, the median per rank (one slow
-outlier step does not move it).
+How the speed is measured. BlockTimer times each decoder block and the LM head on the
+rank itself, forward and backward: CUDA events placed after FSDP2's waits for all-gathers
+(so waiting for a slower peer is not counted), wall clock on CPU. Seconds per sample over
+a window of steps, the median per rank (one slow outlier step does not move it).
 
 When shares change. Only at optimizer-step boundaries, decided from gathered (identical)
 figures on every rank, and applied `lag` steps later: the data thread builds batches a
@@ -197,24 +196,44 @@ class Balancer:
         return True
 
 
+class _Interval:
+    """One timed forward or backward of a module for one micro-batch: marks (CUDA events on
+    GPU, perf_counter on CPU) at its start, at the end of its own work, and after the debug
+    slowdown."""
+
+    __slots__ = ("batch", "end", "key", "real_end", "start")
+
+    def __init__(self, key: tuple[int, str], batch: int):
+        self.key, self.batch = key, batch
+        self.start = self.real_end = self.end = None
+
+
 class BlockTimer:
-    """This rank's decoder-block forward time per step, and the debug slowdown.
+    """This rank's compute time per step in its timed modules (every decoder block and the
+    LM head), forward and backward, and the debug slowdown.
 
-    wrap() goes around a block's forward (compiled or not) and therefore runs after the
-    block's FSDP2 pre-forward hook: on GPU the start event is queued behind the stream's
-    wait for the all-gather, so the interval is this GPU's own work (plus any gaps in
-    which the host has not yet launched it: a launch-bound run measures its host's pace,
-    which is then what sets its speed). Wall clock on CPU.
+    Forward is timed inside the module's forward (wrap()), so after FSDP2's pre-forward
+    hook: on GPU the start event is queued behind the stream's wait for the all-gather, and
+    waiting for a slower peer is not counted. Backward is timed between two tensor hooks:
+    the start on the module's output gradient, registered by a forward hook added after
+    FSDP2's (attach()), so it runs after FSDP2's pre-backward hook and its all-gather wait;
+    the end on its input gradient, registered on the producing module's output before
+    FSDP2's hooks, so the end is marked before the next module's all-gather wait. A rank's
+    figure is therefore its own work, which is what its share should follow. (Timing only
+    the blocks' forward, as before, let the balancer see another speed ratio than the
+    whole step showed: on 2 x H200 with a competing process, 0.49 against the solo runs'
+    0.47, and it left GPU 1 with a micro-batch too many.) Wall clock on CPU.
 
-    `slow_factor` < 1 (debug.slow_ranks) makes the rank 1/slow_factor times slower: after
-    each block's forward the host waits for the device, then sleeps (1/slow_factor - 1)
-    times the block's elapsed time; its backward is timed between a hook on the block's
-    output gradient and one on its input gradient and stretched the same way. (Sleeping
-    twice the forward's extra in backward instead made the rank's whole step slow down by
-    another factor than the measured forward: on 2 x H200 the balancer then moved too much
-    of the batch away from it.) The sleep lies inside the measured interval, as a slower
-    GPU's extra time would. (A GPU-side spin sized from event times does not do this: in a launch-
-    bound run it only fills idle gaps; measured on H200, bench/results/balance_gpu.md.)"""
+    `slow_factor` < 1 (debug.slow_ranks) makes the rank 1/slow_factor times slower in every
+    timed interval: it adds (1/slow_factor - 1) times the interval's own work. On GPU the
+    extra is a device-side spin on the compute stream, sized from the same module's work
+    per sample in the previous step, so the host never waits and nothing but the timed
+    work is stretched (synchronising after each block to time it on the host left launch
+    gaps in the slowed rank that made it look 3.5 times slower instead of 2: the balancer
+    then gave it 13 of 64 samples, bench/results/balance_gpu.md). On CPU the host sleeps
+    for the extra right after the work. The first step of a process is not slowed on GPU
+    (no previous figure); the balancer skips that step anyway. Embedding, final norm, loss
+    and optimizer are not slowed; with the LM head slowed they are under 10% of a step."""
 
     def __init__(self, device: torch.device, slow_factor: float = 1.0, varying_batch: bool = False):
         self.cuda = device.type == "cuda"
@@ -225,72 +244,131 @@ class BlockTimer:
         # first new size recompiles mid-run (a 27 s stall on one H200 rank for Qwen2-0.5B,
         # bench/results/balance_gpu.md). The dynamic graph ran as fast as the static one.
         self.varying_batch = varying_batch
-        self._slept = 0.0  # seconds slept in backward so far (see _backward_finished)
-        self.intervals: list = []
+        self.intervals: list[_Interval] = []
+        self._modules = 0  # keys for the wrapped modules
+        # id(output tensor) -> the interval of the module that consumed it, filled in forward
+        # and read by the output's gradient hook; cleared every step.
+        self._consumer: dict[int, list] = {}
+        self._work_per_sample: dict[tuple[int, str], float] = {}  # last step's own seconds per sample
+        self._cycles_per_s: float | None = None
 
-    def _slow_down(self, started: float) -> float:
-        """Sleep in proportion to the time since `started`; returns the sleep."""
-        if self.cuda:
-            torch.cuda.synchronize(self.device)  # debug path only: the block's real duration
-        extra = (1.0 / self.slow_factor - 1.0) * (time.perf_counter() - started)
-        time.sleep(extra)
-        return extra
+    # -- marks and the slowdown
 
-    def _backward_started(self, box: list, grad: torch.Tensor) -> torch.Tensor:
-        # Wait for the device first, as in forward: otherwise the host's clock runs ahead of
-        # the kernels already queued and the rank slows down less than asked.
+    def _mark(self):
         if self.cuda:
-            torch.cuda.synchronize(self.device)
-        box[:] = [time.perf_counter(), self._slept]
-        return grad
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
 
-    def _backward_finished(self, box: list, grad: torch.Tensor) -> torch.Tensor:
+    def _finish(self, interval: _Interval) -> None:
+        """Mark the end of the interval's own work, then add the debug slowdown."""
+        interval.real_end = self._mark()
+        if self.slow_factor >= 1:
+            interval.end = interval.real_end  # one event less per interval when nothing is added
+            return
+        extra_per_unit = 1.0 / self.slow_factor - 1.0
         if self.cuda:
-            torch.cuda.synchronize(self.device)
-        if box:
-            started, slept = box
-            # The block's own backward: the hooks of the block below start its clock before
-            # this one sleeps (they share this tensor), so sleeps are taken out of every interval.
-            own = time.perf_counter() - started - (self._slept - slept)
-            extra = (1.0 / self.slow_factor - 1.0) * max(0.0, own)
-            time.sleep(extra)
-            self._slept += extra
-        return grad
+            per_sample = self._work_per_sample.get(interval.key)
+            if per_sample is not None:
+                self._spin(extra_per_unit * per_sample * interval.batch)
+        else:
+            time.sleep(extra_per_unit * (interval.real_end - interval.start))
+        interval.end = self._mark()
+
+    def _spin(self, seconds: float) -> None:
+        if self._cycles_per_s is None:
+            # torch.cuda._sleep counts SM clock cycles: measure how many pass per second.
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for _ in range(2):  # the first run includes the kernel's first launch
+                start.record()
+                torch.cuda._sleep(50_000_000)
+                end.record()
+                end.synchronize()
+            self._cycles_per_s = 50_000_000 / (start.elapsed_time(end) / 1e3)
+        torch.cuda._sleep(int(seconds * self._cycles_per_s))
+
+    # -- forward and backward
 
     def wrap(self, forward):
+        """Time a module's forward; also registers the backward's end mark (see the class doc)."""
+        key = self._modules
+        self._modules += 1
+
         def timed_forward(*args, **kwargs):
-            if self.varying_batch and args and isinstance(args[0], torch.Tensor):
-                batch = args[0].shape[0]
+            x = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if self.varying_batch and x is not None:
                 for t in (*args, *kwargs.values()):
-                    if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == batch:
+                    if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == x.shape[0]:
                         torch._dynamo.maybe_mark_dynamic(t, 0)
-            started = time.perf_counter()
-            if self.cuda:
-                start = torch.cuda.Event(enable_timing=True)
-                start.record()
+            batch = x.shape[0] if x is not None and x.dim() >= 1 else 1
+            fwd = _Interval((key, "forward"), batch)
+            fwd.start = self._mark()
             out = forward(*args, **kwargs)
-            if self.slow_factor < 1:
-                self._slow_down(started)
-                x = args[0] if args else None
-                if out.requires_grad and isinstance(x, torch.Tensor) and x.requires_grad:
-                    box: list = []
-                    out.register_hook(functools.partial(self._backward_started, box))
-                    x.register_hook(functools.partial(self._backward_finished, box))
-            if self.cuda:
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                self.intervals.append((start, end))
-            else:
-                self.intervals.append((started, time.perf_counter()))
+            self._finish(fwd)
+            self.intervals.append(fwd)
+            if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+                bwd = _Interval((key, "backward"), batch)
+                self._pending_backward = bwd  # attach()'s forward hook registers its start
+                # The end of this module's backward is its input's gradient. If another timed
+                # module produced the input, that module's own hook (registered before
+                # FSDP2's on the same tensor) marks it; else a hook on the input does.
+                if x is not None and x.requires_grad:
+                    box = self._consumer.get(id(x))
+                    if box is not None:
+                        box.append(bwd)
+                    else:
+                        x.register_hook(functools.partial(self._input_grad_ready, [bwd]))
+                # Registered now, before FSDP2's post-forward hook adds its pre-backward hook
+                # to this output: the consumer's backward end is marked before this module's
+                # all-gather wait.
+                box = []
+                self._consumer[id(out)] = box
+                out.register_hook(functools.partial(self._input_grad_ready, box))
             return out
 
         return timed_forward
 
+    def attach(self, module: torch.nn.Module) -> None:
+        """Registers the backward start of a wrapped module; call after fully_shard, so the
+        hook runs after FSDP2's pre-backward hook (which waits for the all-gather)."""
+        def after_forward(mod, args, out):
+            bwd, self._pending_backward = getattr(self, "_pending_backward", None), None
+            if bwd is not None and isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(functools.partial(self._output_grad_ready, bwd))
+
+        module.register_forward_hook(after_forward)
+
+    def _output_grad_ready(self, interval: _Interval, grad: torch.Tensor) -> torch.Tensor:
+        interval.start = self._mark()
+        return grad
+
+    def _input_grad_ready(self, box: list, grad: torch.Tensor) -> torch.Tensor:
+        for interval in box:  # the consumer of this tensor, when it was timed and ran backward
+            if interval.start is not None and interval.end is None:
+                self._finish(interval)
+                self.intervals.append(interval)
+        return grad
+
+    # -- per step
+
     def step_seconds(self) -> float:
-        """Forward block time of the step just finished (call after its synchronize)."""
-        if self.cuda:
-            total = sum(s.elapsed_time(e) for s, e in self.intervals) / 1e3
-        else:
-            total = sum(e - s for s, e in self.intervals)
+        """Timed seconds of the step just finished, slowdown included (call after the
+        step's synchronize); also keeps each module's own work per sample for sizing the
+        next step's slowdown."""
+        work: dict[tuple[int, str], list[float]] = {}
+        total = 0.0
+        for iv in self.intervals:
+            if self.cuda:
+                total += iv.start.elapsed_time(iv.end) / 1e3
+                own = iv.start.elapsed_time(iv.real_end) / 1e3
+            else:
+                total += iv.end - iv.start
+                own = iv.real_end - iv.start
+            sums = work.setdefault(iv.key, [0.0, 0])
+            sums[0] += own
+            sums[1] += iv.batch
+        self._work_per_sample.update({k: t / n for k, (t, n) in work.items() if n})
         self.intervals = []
+        self._consumer.clear()
         return total

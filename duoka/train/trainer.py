@@ -139,7 +139,7 @@ def select_attention_kernel(choice: str, device: torch.device) -> None:
 
 
 # What each rank contributes to the per-step all-gather (float64; NaN where not measured).
-ROW_FIELDS = ("loss_sum", "tokens", "step_time", "data_time", "stop", "peak_gib", "forward_s", "samples",
+ROW_FIELDS = ("loss_sum", "tokens", "step_time", "data_time", "stop", "peak_gib", "compute_s", "samples",
               "active_gib", "alloc_retries", "ooms", "gpu_index", "gpu_util", "gpu_mem_used", "gpu_mem_total",
               "gpu_temp", "gpu_power", "gpu_sm_clock", "gpu_clock_mask", "gpu_pcie_tx", "gpu_pcie_rx", "gpu_nvlink_tx",
               "gpu_nvlink_rx", "gpu_sm_active", "gpu_sm_occupancy", "gpu_throttle_mask", "save_done")
@@ -625,14 +625,14 @@ class Trainer:
         """Feed the balancer the step's gathered block times and sample counts (one row per
         rank; a data-parallel rank's figure is its first rank's, which are all of them
         without tp or pp); log a change of shares. Returns the metrics.jsonl `balance` entry."""
-        seconds = [float(r[COL["forward_s"]]) for r in per_rank]
+        seconds = [float(r[COL["compute_s"]]) for r in per_rank]
         samples = [int(r[COL["samples"]]) for r in per_rank]
         shares = self.balancer.shares_for(step)
         message = self.balancer.observe(step, seconds, samples)
         if message and console:
             console.out.print(message)
         return {"mode": self.balancer.mode, "shares": shares, "next_shares": self.balancer.shares_for(step + 1),
-                "forward_s": seconds,
+                "compute_s": seconds,
                 "speed": [n / t if t > 0 else None for n, t in zip(samples, seconds)]}
 
     def _gather_rank_rows(self, loss_sum, local_tokens: int, step_time: float, t_data: float, host) -> torch.Tensor:
@@ -641,7 +641,7 @@ class Trainer:
         row = dict.fromkeys(ROW_FIELDS, math.nan)
         row.update(loss_sum=loss_sum.item() if counted else 0.0, tokens=local_tokens if counted else 0,
                    step_time=step_time, data_time=t_data, stop=float(self.stop_requested),
-                   forward_s=self.block_timer.step_seconds() if self.block_timer is not None else 0.0,
+                   compute_s=self.block_timer.step_seconds() if self.block_timer is not None else 0.0,
                    samples=sum(len(b["tokens"]) for b in host),
                    save_done=float(self.pending_save is not None and self.pending_save.future.done()))
         if self.device.type == "cuda":

@@ -218,7 +218,7 @@ def test_prometheus_endpoint_and_tensorboard_events(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     r = record(alerts=[{"kind": "memory", "message": "m"}], balance={"mode": "auto", "shares": [5, 3],
-                                                                    "speed": [10.0, 6.0], "forward_s": [0.5, 0.5]})
+                                                                    "speed": [10.0, 6.0], "compute_s": [0.5, 0.5]})
     sink = PrometheusSink("127.0.0.1", 0, ranks=[0, 1])
     try:
         sink.write(r)
@@ -257,7 +257,7 @@ def test_live_view_shows_ranks_gpus_shares_and_alerts(tmp_path):
     from duoka.monitor.dashboard import gpu_view, ranks_by_gpu, run_view
 
     r = record(alerts=[{"kind": "memory", "message": "GPU 1 (rank 1) memory 96% full"}],
-               balance={"mode": "auto", "shares": [5, 3], "speed": [10.0, 6.0], "forward_s": [0.5, 0.5]})
+               balance={"mode": "auto", "shares": [5, 3], "speed": [10.0, 6.0], "compute_s": [0.5, 0.5]})
     console = Console(record=True, width=200)
     console.print(run_view([r], "runs/x"))
     text = console.export_text()
@@ -287,7 +287,7 @@ def test_html_report_has_a_chart_per_reading(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     recs = [record(step=s, loss=3.0 - 0.1 * s, balance={"mode": "auto", "shares": [4 + (s > 3), 4 - (s > 3)],
-                                                          "speed": [1.0, 0.5], "forward_s": [1, 1]})
+                                                          "speed": [1.0, 0.5], "compute_s": [1, 1]})
             for s in range(1, 7)]
     recs[2]["alerts"] = recs[3]["alerts"] = [{"kind": "data_wait", "message": "the step waited 20%"}]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))

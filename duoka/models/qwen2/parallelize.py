@@ -101,11 +101,14 @@ def parallelize_qwen2(model: Qwen2, dims: ParallelDims, mesh: DeviceMesh, cfg: C
                 block.compile(fullgraph=True)  # in place: parameter names stay the same
         # The fused loss's softmax pass too (not under tp: its logits are DTensors in loss_parallel).
         model.compile_loss = dims.tp == 1
-    if block_timer is not None:
+    # The modules the block timer (load balancing, debug slowdown) measures: every block and
+    # the LM head, the bulk of a step's compute (the head is not called with the fused loss).
+    timed = [*model.layers.values(), *([model.output] if model.output is not None else [])] \
+        if block_timer is not None else []
+    for module in timed:
         # Wrapping forward (not the module call) keeps the timer after FSDP2's pre-forward
-        # hook: the interval starts once the block's parameters are gathered.
-        for block in model.layers.values():
-            block.forward = block_timer.wrap(block.forward)
+        # hook: the interval starts once the module's parameters are gathered.
+        module.forward = block_timer.wrap(module.forward)
 
     if dims.fsdp:
         # bf16 parameters for compute, fp32 gradient reduction, fp32 master weights in the
@@ -124,7 +127,11 @@ def parallelize_qwen2(model: Qwen2, dims: ParallelDims, mesh: DeviceMesh, cfg: C
         # The root holds the embedding, final norm and head; it is used last in forward and
         # first in backward, so keeping it gathered after forward saves one all-gather.
         fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+        for module in timed:
+            block_timer.attach(module)  # after fully_shard: its hooks must run after FSDP2's
         return model
+    for module in timed:
+        block_timer.attach(module)
     if dims.world_size == 1:
         return model
     device_ids = [torch.cuda.current_device()] if mesh.device_type == "cuda" else None
