@@ -21,9 +21,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from balance_gpu import COMPETITOR, throughput, train  # noqa: E402  (bench/ is the script's own folder)
+from balance_gpu import COMPETITOR, throughput, train
 
-from duoka.bench import stop_process_groups_on_signal  # noqa: E402
+from duoka.bench import stop_process_groups_on_signal
 
 TIMER = ["--parallel.balance=static", "--parallel.balance_weights=1"]
 
