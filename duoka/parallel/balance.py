@@ -201,11 +201,12 @@ class _Interval:
     GPU, perf_counter on CPU) at its start, at the end of its own work, and after the debug
     slowdown."""
 
-    __slots__ = ("batch", "end", "key", "real_end", "start")
+    __slots__ = ("batch", "end", "key", "real_end", "spin_cycles", "start")
 
     def __init__(self, key: tuple[int, str], batch: int):
         self.key, self.batch = key, batch
         self.start = self.real_end = self.end = None
+        self.spin_cycles = 0  # the debug slowdown's device spin after the work (GPU)
 
 
 class BlockTimer:
@@ -232,8 +233,11 @@ class BlockTimer:
     gaps in the slowed rank that made it look 3.5 times slower instead of 2: the balancer
     then gave it 13 of 64 samples, bench/results/balance_gpu.md). On CPU the host sleeps
     for the extra right after the work. The first step of a process is not slowed on GPU
-    (no previous figure); the balancer skips that step anyway. Embedding, final norm, loss
-    and optimizer are not slowed; with the LM head slowed they are under 10% of a step."""
+    (no previous figure); the balancer skips that step anyway. The rest of the step's
+    compute (embedding, final norm, loss, optimizer; ~10% of a Qwen2 step) is stretched as
+    a whole at the step's end (slow_untimed), sized from the previous step, so that the
+    whole step and the timed modules slow by the same factor (on one H200 with only the
+    modules slowed by 0.5, the step ran at 0.58)."""
 
     def __init__(self, device: torch.device, slow_factor: float = 1.0, varying_batch: bool = False):
         self.cuda = device.type == "cuda"
@@ -251,6 +255,8 @@ class BlockTimer:
         self._consumer: dict[int, list] = {}
         self._work_per_sample: dict[tuple[int, str], float] = {}  # last step's own seconds per sample
         self._cycles_per_s: float | None = None
+        self._timed_s = 0.0  # the last step's timed seconds, slowdown included
+        self._untimed_per_sample: float | None = None
 
     # -- marks and the slowdown
 
@@ -271,14 +277,18 @@ class BlockTimer:
         if self.cuda:
             per_sample = self._work_per_sample.get(interval.key)
             if per_sample is not None:
-                self._spin(extra_per_unit * per_sample * interval.batch)
+                interval.spin_cycles = self._spin(extra_per_unit * per_sample * interval.batch)
         else:
             time.sleep(extra_per_unit * (interval.real_end - interval.start))
         interval.end = self._mark()
 
-    def _spin(self, seconds: float) -> None:
+    def _spin(self, seconds: float) -> int:
+        """Queue a device-side spin of about `seconds`; returns its length in cycles."""
         if self._cycles_per_s is None:
-            # torch.cuda._sleep counts SM clock cycles: measure how many pass per second.
+            # torch.cuda._sleep counts SM clock cycles: a first estimate of how many pass per
+            # second, corrected every step from the spins' measured durations (the clock
+            # rises when the GPU idles in a spin: calibrated once under load, spins ran 0.8
+            # of the asked time on one H200).
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             for _ in range(2):  # the first run includes the kernel's first launch
                 start.record()
@@ -286,7 +296,26 @@ class BlockTimer:
                 end.record()
                 end.synchronize()
             self._cycles_per_s = 50_000_000 / (start.elapsed_time(end) / 1e3)
-        torch.cuda._sleep(int(seconds * self._cycles_per_s))
+        cycles = int(seconds * self._cycles_per_s)
+        torch.cuda._sleep(cycles)
+        return cycles
+
+    def slow_untimed(self, samples: int) -> None:
+        """Debug slowdown of the step's untimed compute (call at the step's end, outside its
+        timed phases), sized from the previous step's untimed seconds per sample."""
+        if self.slow_factor >= 1 or not self._untimed_per_sample:
+            return
+        extra = (1.0 / self.slow_factor - 1.0) * self._untimed_per_sample * samples
+        if self.cuda:
+            self._spin(extra)
+        else:
+            time.sleep(extra)
+
+    def account_step(self, compute_s: float, samples: int) -> None:
+        """The step's compute seconds on this rank (forward, backward and optimizer phases,
+        after step_seconds()): what the timed modules did not take is the untimed part."""
+        if samples:
+            self._untimed_per_sample = max(0.0, compute_s - self._timed_s) / samples
 
     # -- forward and backward
 
@@ -357,11 +386,15 @@ class BlockTimer:
         step's synchronize); also keeps each module's own work per sample for sizing the
         next step's slowdown."""
         work: dict[tuple[int, str], list[float]] = {}
-        total = 0.0
+        total = spun_s = 0.0
+        spun_cycles = 0
         for iv in self.intervals:
             if self.cuda:
                 total += iv.start.elapsed_time(iv.end) / 1e3
                 own = iv.start.elapsed_time(iv.real_end) / 1e3
+                if iv.spin_cycles:
+                    spun_cycles += iv.spin_cycles
+                    spun_s += iv.real_end.elapsed_time(iv.end) / 1e3
             else:
                 total += iv.end - iv.start
                 own = iv.real_end - iv.start
@@ -369,6 +402,9 @@ class BlockTimer:
             sums[0] += own
             sums[1] += iv.batch
         self._work_per_sample.update({k: t / n for k, (t, n) in work.items() if n})
+        if spun_s > 1e-3:
+            self._cycles_per_s = spun_cycles / spun_s
+        self._timed_s = total
         self.intervals = []
         self._consumer.clear()
         return total

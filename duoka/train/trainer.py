@@ -575,6 +575,8 @@ class Trainer:
                         group["lr"] = lr
                     self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
+                if self.block_timer is not None:  # debug.slow_ranks: the rest of the step's compute
+                    self.block_timer.slow_untimed(sum(len(b["tokens"]) for b in host))
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 step_time = time.perf_counter() - t0
@@ -586,6 +588,9 @@ class Trainer:
             record = self._record(step + 1, per_rank, tokens_seen, lr, float(grad_norm))
             # Rank 0's phases; the rest of the step is exposed communication and host gaps.
             record["phase_s"] = dict(phases.seconds(), data=t_data)
+            if self.block_timer is not None:
+                self.block_timer.account_step(sum(record["phase_s"].values()) - t_data,
+                                              sum(len(b["tokens"]) for b in host))
             record["phase_s"]["other"] = max(0.0, step_time - sum(record["phase_s"].values()))
             if self.balancer.mode != "off":
                 record["balance"] = self._balance_step(step, per_rank, console)
