@@ -138,6 +138,8 @@ class Layout:
             sched = f"interleaved x{self.pp_stages_per_rank}" if self.pp_schedule == "interleaved_1f1b" else \
                 self.pp_schedule.replace("_", " ")
             parts.append(f"pp {self.pp} {sched}")
+        if self.dp_mode == "fsdp" and self.pp == 1 and not self.reshard_after_forward:
+            parts.append("no reshard")
         return " + ".join(parts) or "single GPU"
 
 

@@ -284,8 +284,12 @@ def enumerate_layouts(args: ModelArgs, gpus: int, gpus_per_node: int) -> list[La
             for sched, v in schedules:
                 dps = [Layout("ddp", d, 1, tp, pp, sched, v)]
                 if d > 1:
-                    dps.append(Layout("fsdp", 1, d, tp, pp, sched, v))
-                    dps += [Layout("fsdp", r, d // r, tp, pp, sched, v) for r in _divisors(d) if 1 < r < d]
+                    fsdp = [Layout("fsdp", 1, d, tp, pp, sched, v)]
+                    fsdp += [Layout("fsdp", r, d // r, tp, pp, sched, v) for r in _divisors(d) if 1 < r < d]
+                    # Keeping blocks gathered from forward to backward (ZeRO-2-like) saves the
+                    # backward's all-gathers for the gathered weights' memory; under pp the
+                    # trainer keeps stages gathered anyway.
+                    dps += fsdp + ([replace(x, reshard_after_forward=False) for x in fsdp] if pp == 1 else [])
                 out += dps
     return out
 
@@ -358,7 +362,10 @@ def estimate_step_time(args: ModelArgs, layout: Layout, micro_batch: int, seq_le
         per_collective = 2 * tokens_mb * args.dim * (tp - 1) / tp / hw.bandwidth(False) + COLLECTIVE_LATENCY_S
         tp_mb = (rank_layers * (12 if ac else 8) + 4) * per_collective
         tp_mb += rank_layers * TP_BLOCK_OVERHEAD_S * (AC_RECOMPUTE if ac else 1.0)
-    fsdp_mb = FSDP_UNIT_S * 2 * (rank_layers + 1) if layout.fsdp else 0.0
+    # Without resharding only the forward gathers: one pass of per-unit cost fewer (7B on
+    # 2 x H200: -22 ms per micro-batch of 4 over 28 blocks, bench/results/speed.md).
+    passes = 1 if pp == 1 and not layout.reshard_after_forward else 2
+    fsdp_mb = FSDP_UNIT_S * passes * (rank_layers + 1) if layout.fsdp else 0.0
     rank_mb = compute_mb + tp_mb + fsdp_mb
     pipelined = rank_mb * (m + (pp - 1) / v)
     bubble = ((pp - 1) / v) / (m + (pp - 1) / v) if pp > 1 else 0.0
@@ -426,7 +433,8 @@ class Candidate:
         d = {"layout": lay.describe(), "family": self.family,
              "parallel": {"dp_mode": lay.dp_mode, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
                           "tp": lay.tp, "pp": lay.pp, "pp_schedule": lay.pp_schedule,
-                          "pp_stages_per_rank": lay.stages_per_rank},
+                          "pp_stages_per_rank": lay.stages_per_rank,
+                          "reshard_after_forward": lay.reshard_after_forward},
              "micro_batch": self.micro_batch, "accumulation": self.accumulation,
              "activation_checkpointing": self.activation_checkpointing, "fits": self.fits,
              "peak_allocated_gib": round(self.memory.allocated / GIB, 2),
@@ -705,6 +713,8 @@ def plan_toml(plan: Plan) -> str:
                             "dtype": "bf16"}
     par = {"dp_mode": lay.dp_mode, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp,
            "pp": lay.pp}
+    if lay.fsdp and not lay.reshard_after_forward:
+        par["reshard_after_forward"] = False
     if lay.pp > 1:
         par.update(pp_schedule=lay.pp_schedule, pp_stages_per_rank=lay.stages_per_rank, pp_layers="even",
                    pp_microbatches=c.accumulation)
