@@ -138,7 +138,7 @@ def parallelize_qwen2(model: Qwen2, dims: ParallelDims, mesh: DeviceMesh, cfg: C
     # gradient_as_bucket_view: gradients live in the all-reduce buckets themselves, saving a
     # copy of every gradient into and out of the buckets each step (and that memory).
     return DistributedDataParallel(model, device_ids=device_ids, process_group=mesh["dp_replicate"].get_group(),
-                                   gradient_as_bucket_view=True)
+                                   gradient_as_bucket_view=True, bucket_cap_mb=cfg.parallel.ddp_bucket_mb)
 
 
 def unwrap(module: nn.Module) -> Qwen2:
