@@ -34,13 +34,17 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2-0.5b")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--last", type=int, default=12)
+    ap.add_argument("--only", default="", help="comma-separated case names (default: all)")
     a = ap.parse_args()
+    only = set(a.only.split(",")) if a.only else None
     stop_process_groups_on_signal()
     work = Path(tempfile.mkdtemp(prefix="duoka-balance1-"))
     result: dict = {"model": a.model, "steps": a.steps, "timed_last": a.last, "cases": {}}
     for name, extra, competitor in (("plain", [], False), ("timer", TIMER, False),
                                     ("timer_slow_option", [*TIMER, "--debug.slow_ranks=0:0.5"], False),
                                     ("timer_competitor", TIMER, True)):
+        if only is not None and name not in only:
+            continue
         comp = None
         if competitor:
             comp = subprocess.Popen([sys.executable, "-c", COMPETITOR.format(seconds=300)])
@@ -60,11 +64,14 @@ def main() -> None:
               flush=True)
         Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
     c = result["cases"]
-    base = c["timer"]
+    base = c.get("timer")
     for name in ("timer_slow_option", "timer_competitor"):
+        if base is None or name not in c:
+            continue
         result[name] = {"whole_step_ratio": c[name]["tokens_per_s"] / base["tokens_per_s"],
                         "timer_ratio": c[name]["timer_speed"] / base["timer_speed"]}
-    result["timer_overhead"] = 1 - base["tokens_per_s"] / c["plain"]["tokens_per_s"]
+    if base is not None and "plain" in c:
+        result["timer_overhead"] = 1 - base["tokens_per_s"] / c["plain"]["tokens_per_s"]
     Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "cases"}))
 
