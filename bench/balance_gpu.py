@@ -114,7 +114,10 @@ def main() -> None:
              "step_time_s": [x["step_time_s"] for x in recs], "phase_s_rank0": [x.get("phase_s") for x in recs],
              "rank_step_time_s": [p.get("step_time_s") for p in per_rank],
              "rank_data_time_s": [p.get("data_time_s") for p in per_rank],
-             "rank_alloc_retries": [p.get("alloc_retries") for p in per_rank]}
+             "rank_alloc_retries": [p.get("alloc_retries") for p in per_rank],
+             # Clocks and power per GPU and step: a rank slowed by its GPU's clock shows here.
+             "sm_clock_mhz": [[g.get("sm_clock_mhz") for g in x.get("gpus", [])] for x in recs],
+             "power_w": [[g.get("power_w") for g in x.get("gpus", [])] for x in recs]}
         result["cases"][name] = r
         print(name, f"{r['tokens_per_s']:,.0f} tok/s, {r['wall_s']:.0f} s, final shares", r["shares"][-1],
               flush=True)
