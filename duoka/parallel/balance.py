@@ -235,9 +235,10 @@ class BlockTimer:
     for the extra right after the work. The first step of a process is not slowed on GPU
     (no previous figure); the balancer skips that step anyway. The rest of the step's
     compute (embedding, final norm, loss, optimizer; ~10% of a Qwen2 step) is stretched as
-    a whole at the step's end (slow_untimed), sized from the previous step, so that the
-    whole step and the timed modules slow by the same factor (on one H200 with only the
-    modules slowed by 0.5, the step ran at 0.58)."""
+    a whole at the step's end (slow_untimed), sized from the previous step's forward and
+    optimizer phases (account_step), so that the whole step and the timed modules slow by
+    the same factor (on one H200 with only the modules slowed by 0.5, the step ran at
+    0.58; with the rest stretched too, 0.543 against the timer's 0.544)."""
 
     def __init__(self, device: torch.device, slow_factor: float = 1.0, varying_batch: bool = False):
         self.cuda = device.type == "cuda"
@@ -255,7 +256,9 @@ class BlockTimer:
         self._consumer: dict[int, list] = {}
         self._work_per_sample: dict[tuple[int, str], float] = {}  # last step's own seconds per sample
         self._cycles_per_s: float | None = None
-        self._timed_s = 0.0  # the last step's timed seconds, slowdown included
+        # The last step's timed forward seconds (slowdown included), and the timed modules'
+        # own work in total and in forward: the debug slowdown's untimed part is sized from them.
+        self._timed_forward_s = self._own_s = self._own_forward_s = 0.0
         self._untimed_per_sample: float | None = None
 
     # -- marks and the slowdown
@@ -311,11 +314,16 @@ class BlockTimer:
         else:
             time.sleep(extra)
 
-    def account_step(self, compute_s: float, samples: int) -> None:
-        """The step's compute seconds on this rank (forward, backward and optimizer phases,
-        after step_seconds()): what the timed modules did not take is the untimed part."""
-        if samples:
-            self._untimed_per_sample = max(0.0, compute_s - self._timed_s) / samples
+    def account_step(self, forward_s: float, optimizer_s: float, samples: int) -> None:
+        """The step's forward and optimizer phase seconds on this rank (after step_seconds()).
+        The untimed work is the forward phase's rest (embedding, final norm, loss), with a
+        backward in the timed modules' backward-to-forward proportion, plus the optimizer.
+        The backward phase itself is not used: under DDP it ends waiting for the other
+        ranks' all-reduce, and stretching that wait too made a slowed rank slower still and
+        noisy on 2 x H200 (run 7, bench/results/balance_gpu.md)."""
+        if samples and self._own_forward_s > 0:
+            untimed_forward = max(0.0, forward_s - self._timed_forward_s)
+            self._untimed_per_sample = (untimed_forward * self._own_s / self._own_forward_s + optimizer_s) / samples
 
     # -- forward and backward
 
@@ -386,25 +394,30 @@ class BlockTimer:
         step's synchronize); also keeps each module's own work per sample for sizing the
         next step's slowdown."""
         work: dict[tuple[int, str], list[float]] = {}
-        total = spun_s = 0.0
+        total = timed_forward = spun_s = 0.0
         spun_cycles = 0
         for iv in self.intervals:
             if self.cuda:
-                total += iv.start.elapsed_time(iv.end) / 1e3
+                timed = iv.start.elapsed_time(iv.end) / 1e3
                 own = iv.start.elapsed_time(iv.real_end) / 1e3
                 if iv.spin_cycles:
                     spun_cycles += iv.spin_cycles
                     spun_s += iv.real_end.elapsed_time(iv.end) / 1e3
             else:
-                total += iv.end - iv.start
+                timed = iv.end - iv.start
                 own = iv.real_end - iv.start
+            total += timed
+            if iv.key[1] == "forward":
+                timed_forward += timed
             sums = work.setdefault(iv.key, [0.0, 0])
             sums[0] += own
             sums[1] += iv.batch
         self._work_per_sample.update({k: t / n for k, (t, n) in work.items() if n})
         if spun_s > 1e-3:
             self._cycles_per_s = spun_cycles / spun_s
-        self._timed_s = total
+        self._timed_forward_s = timed_forward
+        self._own_s = sum(t for t, _ in work.values())
+        self._own_forward_s = sum(t for (_, direction), (t, _) in work.items() if direction == "forward")
         self.intervals = []
         self._consumer.clear()
         return total

@@ -589,7 +589,8 @@ class Trainer:
             # Rank 0's phases; the rest of the step is exposed communication and host gaps.
             record["phase_s"] = dict(phases.seconds(), data=t_data)
             if self.block_timer is not None:
-                self.block_timer.account_step(sum(record["phase_s"].values()) - t_data,
+                self.block_timer.account_step(record["phase_s"].get("forward", 0.0),
+                                              record["phase_s"].get("optimizer", 0.0),
                                               sum(len(b["tokens"]) for b in host))
             record["phase_s"]["other"] = max(0.0, step_time - sum(record["phase_s"].values()))
             if self.balancer.mode != "off":
