@@ -24,7 +24,7 @@ When shares change. Only at optimizer-step boundaries, decided from gathered (id
 figures on every rank, and applied `lag` steps later: the data thread builds batches a
 few steps ahead, and a fixed lag keeps every rank's batches and a resumed run's stream
 the same. A change needs the predicted step time to fall by `hysteresis`; after a change
-the window restarts.
+the window restarts, from the SETTLE_STEPS-th step on the new shares.
 """
 
 from __future__ import annotations
@@ -40,6 +40,10 @@ import torch
 from duoka.errors import DuokaError
 
 MODES = ("off", "static", "auto")
+# Steps not measured after a change of shares. The first steps on new micro-batch sizes can
+# compile inside the timed modules: on 2 x H200 two such steps (4 s and 17 s) entered the
+# window, and the balancer moved the batch further the wrong way ([41, 23] -> [53, 11]).
+SETTLE_STEPS = 2
 
 
 def parse_rank_factors(text: str, world: int) -> dict[int, float]:
@@ -162,6 +166,8 @@ class Balancer:
             return None
         if any(first > step for first, _ in self.schedule):
             return None  # a change is still on its way in; measure the new split first
+        if len(self.schedule) > 1 and step < self.schedule[-1][0] + SETTLE_STEPS:
+            return None  # new micro-batch sizes: compilation may still fall in the timed work
         self.samples.append([t / n for t, n in zip(seconds, samples)])
         if len(self.samples) < self.window:
             return None

@@ -3,8 +3,14 @@
 import pytest
 
 from duoka.errors import DuokaError
-from duoka.parallel.balance import (Balancer, micro_batch_sizes, parse_rank_factors, parse_weights,
-                                    proportional_shares)
+from duoka.parallel.balance import (
+    SETTLE_STEPS,
+    Balancer,
+    micro_batch_sizes,
+    parse_rank_factors,
+    parse_weights,
+    proportional_shares,
+)
 
 
 def test_proportional_shares_sum_floor_and_rounding():
@@ -39,8 +45,13 @@ def test_auto_follows_the_measured_speed_with_lag_and_hysteresis():
     # Step 0 is warm-up, steps 1-3 fill the window; the change is decided after step 3.
     assert messages[:3] == [None, None, None] and "[8, 8] -> [11, 5] from step 8" in messages[3]
     assert [b.shares_for(s) for s in (6, 7, 100)] == [[8, 8], [11, 5], [11, 5]]  # 0-based; the log says 8
-    # While the change is on its way in, nothing is measured or decided.
+    # While the change is on its way in, nothing is measured or decided; nor in the first
+    # steps on the new shares (they may compile for the new micro-batch sizes).
     assert b.observe(5, [1.0, 1.0], [8, 8]) is None and len(b.samples) == 0
+    for step in range(7, 7 + SETTLE_STEPS):
+        assert b.observe(step, [1.0, 100.0], [11, 5]) is None and len(b.samples) == 0
+    b.observe(7 + SETTLE_STEPS, [11 * fast, 5 * slow], [11, 5])
+    assert len(b.samples) == 1
     # Balanced now: noise below the hysteresis changes nothing.
     for step in range(8, 20):
         assert b.observe(step, [11 * fast * 1.01, 5 * slow], [11, 5]) is None
