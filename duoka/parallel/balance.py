@@ -44,6 +44,7 @@ MODES = ("off", "static", "auto")
 # compile inside the timed modules: on 2 x H200 two such steps (4 s and 17 s) entered the
 # window, and the balancer moved the batch further the wrong way ([41, 23] -> [53, 11]).
 SETTLE_STEPS = 2
+SLOWDOWN_HISTORY = 5  # steps whose median sizes the debug slowdown (BlockTimer)
 
 
 def parse_rank_factors(text: str, world: int) -> dict[int, float]:
@@ -234,14 +235,14 @@ class BlockTimer:
     `slow_factor` < 1 (debug.slow_ranks) makes the rank 1/slow_factor times slower in every
     timed interval: it adds (1/slow_factor - 1) times the interval's own work. On GPU the
     extra is a device-side spin on the compute stream, sized from the same module's work
-    per sample in the previous step, so the host never waits and nothing but the timed
-    work is stretched (synchronising after each block to time it on the host left launch
+    per sample (median of the last SLOWDOWN_HISTORY steps), so the host never waits and
+    nothing but the timed work is stretched (synchronising after each block to time it on the host left launch
     gaps in the slowed rank that made it look 3.5 times slower instead of 2: the balancer
     then gave it 13 of 64 samples, bench/results/balance_gpu.md). On CPU the host sleeps
     for the extra right after the work. The first step of a process is not slowed on GPU
     (no previous figure); the balancer skips that step anyway. The rest of the step's
     compute (embedding, final norm, loss, optimizer; ~10% of a Qwen2 step) is stretched as
-    a whole at the step's end (slow_untimed), sized from the previous step's forward and
+    a whole at the step's end (slow_untimed), sized from the recent steps' forward and
     optimizer phases (account_step), so that the whole step and the timed modules slow by
     the same factor (on one H200 with only the modules slowed by 0.5, the step ran at
     0.58; with the rest stretched too, 0.543 against the timer's 0.544)."""
@@ -260,12 +261,16 @@ class BlockTimer:
         # id(output tensor) -> the interval of the module that consumed it, filled in forward
         # and read by the output's gradient hook; cleared every step.
         self._consumer: dict[int, list] = {}
-        self._work_per_sample: dict[tuple[int, str], float] = {}  # last step's own seconds per sample
+        # Own seconds per sample of each timed module, and of the untimed rest, over the last
+        # SLOWDOWN_HISTORY steps: the slowdown follows their medians, so one step that
+        # compiled for new micro-batch sizes (seconds of work) does not become a spin of
+        # seconds in the next (a 17 s step on 2 x H200, run 8).
+        self._work_history: dict[tuple[int, str], deque] = {}
         self._cycles_per_s: float | None = None
         # The last step's timed forward seconds (slowdown included), and the timed modules'
         # own work in total and in forward: the debug slowdown's untimed part is sized from them.
         self._timed_forward_s = self._own_s = self._own_forward_s = 0.0
-        self._untimed_per_sample: float | None = None
+        self._untimed_history: deque = deque(maxlen=SLOWDOWN_HISTORY)
 
     # -- marks and the slowdown
 
@@ -284,8 +289,9 @@ class BlockTimer:
             return
         extra_per_unit = 1.0 / self.slow_factor - 1.0
         if self.cuda:
-            per_sample = self._work_per_sample.get(interval.key)
-            if per_sample is not None:
+            history = self._work_history.get(interval.key)
+            if history:
+                per_sample = statistics.median(history)
                 interval.spin_cycles = self._spin(extra_per_unit * per_sample * interval.batch)
         else:
             time.sleep(extra_per_unit * (interval.real_end - interval.start))
@@ -311,10 +317,10 @@ class BlockTimer:
 
     def slow_untimed(self, samples: int) -> None:
         """Debug slowdown of the step's untimed compute (call at the step's end, outside its
-        timed phases), sized from the previous step's untimed seconds per sample."""
-        if self.slow_factor >= 1 or not self._untimed_per_sample:
+        timed phases), sized from the recent steps' untimed seconds per sample (median)."""
+        if self.slow_factor >= 1 or not self._untimed_history:
             return
-        extra = (1.0 / self.slow_factor - 1.0) * self._untimed_per_sample * samples
+        extra = (1.0 / self.slow_factor - 1.0) * statistics.median(self._untimed_history) * samples
         if self.cuda:
             self._spin(extra)
         else:
@@ -329,7 +335,8 @@ class BlockTimer:
         noisy on 2 x H200 (run 7, bench/results/balance_gpu.md)."""
         if samples and self._own_forward_s > 0:
             untimed_forward = max(0.0, forward_s - self._timed_forward_s)
-            self._untimed_per_sample = (untimed_forward * self._own_s / self._own_forward_s + optimizer_s) / samples
+            self._untimed_history.append((untimed_forward * self._own_s / self._own_forward_s + optimizer_s)
+                                         / samples)
 
     # -- forward and backward
 
@@ -418,7 +425,9 @@ class BlockTimer:
             sums = work.setdefault(iv.key, [0.0, 0])
             sums[0] += own
             sums[1] += iv.batch
-        self._work_per_sample.update({k: t / n for k, (t, n) in work.items() if n})
+        for key, (t, n) in work.items():
+            if n:
+                self._work_history.setdefault(key, deque(maxlen=SLOWDOWN_HISTORY)).append(t / n)
         if spun_s > 1e-3:
             self._cycles_per_s = spun_cycles / spun_s
         self._timed_forward_s = timed_forward
