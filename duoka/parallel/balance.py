@@ -236,9 +236,10 @@ class BlockTimer:
     timed interval: it adds (1/slow_factor - 1) times the interval's own work. On GPU the
     extra is a device-side spin on the compute stream, sized from the same module's work
     per sample (median of the last SLOWDOWN_HISTORY steps), so the host never waits and
-    nothing but the timed work is stretched (synchronising after each block to time it on the host left launch
-    gaps in the slowed rank that made it look 3.5 times slower instead of 2: the balancer
-    then gave it 13 of 64 samples, bench/results/balance_gpu.md). On CPU the host sleeps
+    nothing but the timed work is stretched (synchronising after each block to time it on
+    the host left launch gaps in the slowed rank that made it look 3.5 times slower
+    instead of 2: the balancer then gave it 13 of 64 samples, bench/results/balance_gpu.md).
+    On CPU the host sleeps
     for the extra right after the work. The first step of a process is not slowed on GPU
     (no previous figure); the balancer skips that step anyway. The rest of the step's
     compute (embedding, final norm, loss, optimizer; ~10% of a Qwen2 step) is stretched as
@@ -268,7 +269,7 @@ class BlockTimer:
         self._work_history: dict[tuple[int, str], deque] = {}
         self._cycles_per_s: float | None = None
         # The last step's timed forward seconds (slowdown included), and the timed modules'
-        # own work in total and in forward: the debug slowdown's untimed part is sized from them.
+        # own work in total and in forward: the untimed part of the slowdown is sized from them.
         self._timed_forward_s = self._own_s = self._own_forward_s = 0.0
         self._untimed_history: deque = deque(maxlen=SLOWDOWN_HISTORY)
 
