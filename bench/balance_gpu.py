@@ -105,6 +105,7 @@ def main() -> None:
         finally:
             if comp is not None:
                 comp.kill()
+                comp.wait(timeout=60)  # gone from the GPU before the next case starts
         per_rank = [x.get("per_rank", {}) for x in recs]
         r = {"tokens_per_s": throughput(recs, a.last), "timed_steps": len(timed_steps(recs, a.last)),
              "wall_s": time.time() - t0,

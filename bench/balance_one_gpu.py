@@ -54,6 +54,7 @@ def main() -> None:
         finally:
             if comp is not None:
                 comp.kill()
+                comp.wait(timeout=60)  # gone from the GPU before the next case starts
         tail = recs[-a.last:]
         speeds = [r["balance"]["speed"][0] for r in tail if r.get("balance")]
         result["cases"][name] = {"tokens_per_s": throughput(recs, a.last),
