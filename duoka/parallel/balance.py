@@ -259,6 +259,7 @@ class BlockTimer:
         self.varying_batch = varying_batch
         self.intervals: list[_Interval] = []
         self._modules = 0  # keys for the wrapped modules
+        self._pending_backward: _Interval | None = None  # from wrap()'s forward to attach()'s hook
         # id(output tensor) -> the interval of the module that consumed it, filled in forward
         # and read by the output's gradient hook; cleared every step.
         self._consumer: dict[int, list] = {}
@@ -384,7 +385,7 @@ class BlockTimer:
         """Registers the backward start of a wrapped module; call after fully_shard, so the
         hook runs after FSDP2's pre-backward hook (which waits for the all-gather)."""
         def after_forward(mod, args, out):
-            bwd, self._pending_backward = getattr(self, "_pending_backward", None), None
+            bwd, self._pending_backward = self._pending_backward, None
             if bwd is not None and isinstance(out, torch.Tensor) and out.requires_grad:
                 out.register_hook(functools.partial(self._output_grad_ready, bwd))
 

@@ -546,6 +546,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 host = prefetch.get(step)
                 local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in host)  # on the host: no GPU sync
+                samples = sum(len(b["tokens"]) for b in host)
                 micro = [{k: t.to(self.device, non_blocking=True) for k, t in b.items()} for b in host]
                 t_data = time.perf_counter() - t0
 
@@ -576,22 +577,21 @@ class Trainer:
                     self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
                 if self.block_timer is not None:  # debug.slow_ranks: the rest of the step's compute
-                    self.block_timer.slow_untimed(sum(len(b["tokens"]) for b in host))
+                    self.block_timer.slow_untimed(samples)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 step_time = time.perf_counter() - t0
 
             # One small all-gather per step carries every rank's figures for the metrics line
             # and whether any rank was asked to stop (SIGTERM), so all stop at the same step.
-            per_rank = self._gather_rank_rows(loss_sum, local_tokens, step_time, t_data, host)
+            per_rank = self._gather_rank_rows(loss_sum, local_tokens, step_time, t_data, samples)
             tokens_seen += int(per_rank[:, COL["tokens"]].sum())
             record = self._record(step + 1, per_rank, tokens_seen, lr, float(grad_norm))
             # Rank 0's phases; the rest of the step is exposed communication and host gaps.
             record["phase_s"] = dict(phases.seconds(), data=t_data)
             if self.block_timer is not None:
                 self.block_timer.account_step(record["phase_s"].get("forward", 0.0),
-                                              record["phase_s"].get("optimizer", 0.0),
-                                              sum(len(b["tokens"]) for b in host))
+                                              record["phase_s"].get("optimizer", 0.0), samples)
             record["phase_s"]["other"] = max(0.0, step_time - sum(record["phase_s"].values()))
             if self.balancer.mode != "off":
                 record["balance"] = self._balance_step(step, per_rank, console)
@@ -641,14 +641,15 @@ class Trainer:
                 "compute_s": seconds,
                 "speed": [n / t if t > 0 else None for n, t in zip(samples, seconds)]}
 
-    def _gather_rank_rows(self, loss_sum, local_tokens: int, step_time: float, t_data: float, host) -> torch.Tensor:
+    def _gather_rank_rows(self, loss_sum, local_tokens: int, step_time: float, t_data: float,
+                          samples: int) -> torch.Tensor:
         """Every rank's ROW_FIELDS for the step, [world, len(ROW_FIELDS)] on the host."""
         counted = self.counts_for_metrics
         row = dict.fromkeys(ROW_FIELDS, math.nan)
         row.update(loss_sum=loss_sum.item() if counted else 0.0, tokens=local_tokens if counted else 0,
                    step_time=step_time, data_time=t_data, stop=float(self.stop_requested),
                    compute_s=self.block_timer.step_seconds() if self.block_timer is not None else 0.0,
-                   samples=sum(len(b["tokens"]) for b in host),
+                   samples=samples,
                    save_done=float(self.pending_save is not None and self.pending_save.future.done()))
         if self.device.type == "cuda":
             stats = torch.cuda.memory_stats(self.device)
