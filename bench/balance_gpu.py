@@ -67,8 +67,17 @@ def timed_steps(recs: list[dict], last: int) -> list[dict]:
 
 
 def throughput(recs: list[dict], last: int) -> float:
-    tail = timed_steps(recs, last)
-    return sum(r["tokens_per_s"] * r["step_time_s"] for r in tail) / sum(r["step_time_s"] for r in tail)
+    return _rate(timed_steps(recs, last))
+
+
+def throughput_all(recs: list[dict], warmup: int = 2) -> float:
+    """Every step after the compile warm-up, share changes and their stalls included: what
+    a short run gets, beside the steady state that `throughput` measures."""
+    return _rate(recs[warmup:])
+
+
+def _rate(recs: list[dict]) -> float:
+    return sum(r["tokens_per_s"] * r["step_time_s"] for r in recs) / sum(r["step_time_s"] for r in recs)
 
 
 def main() -> None:
@@ -108,6 +117,7 @@ def main() -> None:
                 comp.wait(timeout=60)  # gone from the GPU before the next case starts
         per_rank = [x.get("per_rank", {}) for x in recs]
         r = {"tokens_per_s": throughput(recs, a.last), "timed_steps": len(timed_steps(recs, a.last)),
+             "tokens_per_s_all_steps": throughput_all(recs),
              "wall_s": time.time() - t0,
              "shares": [x.get("balance", {}).get("shares") for x in recs],
              "speed": [x.get("balance", {}).get("speed") for x in recs],
@@ -136,7 +146,11 @@ def main() -> None:
             return
         ideal = cases["solo_gpu0"]["tokens_per_s"] + cases[slowed_solo]["tokens_per_s"]
         auto, off = cases[f"{kind}_auto"]["tokens_per_s"], cases[f"{kind}_off"]["tokens_per_s"]
-        result[kind] = {"auto_vs_off": auto / off, "auto_vs_ideal": auto / ideal, "ideal_tokens_per_s": ideal}
+        auto_all = cases[f"{kind}_auto"]["tokens_per_s_all_steps"]
+        result[kind] = {"auto_vs_off": auto / off, "auto_vs_ideal": auto / ideal, "ideal_tokens_per_s": ideal,
+                        # the same over all steps after warm-up, share changes included
+                        "all_steps_auto_vs_off": auto_all / cases[f"{kind}_off"]["tokens_per_s_all_steps"],
+                        "all_steps_auto_vs_ideal": auto_all / ideal}
 
     def in_parallel(*cases):
         """One-GPU cases on different GPUs, at the same time."""
