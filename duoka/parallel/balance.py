@@ -241,12 +241,17 @@ class BlockTimer:
     instead of 2: the balancer then gave it 13 of 64 samples, bench/results/balance_gpu.md).
     On CPU the host sleeps
     for the extra right after the work. The first step of a process is not slowed on GPU
-    (no previous figure); the balancer skips that step anyway. The rest of the step's
-    compute (embedding, final norm, loss, optimizer; ~10% of a Qwen2 step) is stretched as
-    a whole at the step's end (slow_untimed), sized from the recent steps' forward and
-    optimizer phases (account_step), so that the whole step and the timed modules slow by
-    the same factor (on one H200 with only the modules slowed by 0.5, the step ran at
-    0.58; with the rest stretched too, 0.543 against the timer's 0.544)."""
+    and not taken into the history: it compiles, and sizing the next steps' spins from it
+    made them seconds long (run 9: the balancer then saw GPU 1 at a ninth of GPU 0's speed
+    and gave it 7 of 64 samples). The rest of the step's compute is stretched too, so that
+    the whole step and the timed modules slow by the same factor (on one H200 with only the
+    modules slowed by 0.5, the step ran at 0.58; with the rest stretched, 0.543 against the
+    timer's 0.544): the per-sample rest (embedding, final norm, loss) before each
+    micro-batch (slow_untimed), the optimizer after it (slow_optimizer), both sized from
+    the recent steps' forward and optimizer phases (account_step). The per-sample part runs
+    where a really slower GPU spends it, between the step's synchronising collectives; at
+    the step's end it was serial with every other rank (run 9: +40 ms a step, 0.87 of the
+    ideal on the right shares)."""
 
     def __init__(self, device: torch.device, slow_factor: float = 1.0, varying_batch: bool = False):
         self.cuda = device.type == "cuda"
@@ -272,7 +277,9 @@ class BlockTimer:
         # The last step's timed forward seconds (slowdown included), and the timed modules'
         # own work in total and in forward: the untimed part of the slowdown is sized from them.
         self._timed_forward_s = self._own_s = self._own_forward_s = 0.0
-        self._untimed_history: deque = deque(maxlen=SLOWDOWN_HISTORY)
+        self._untimed_history: deque = deque(maxlen=SLOWDOWN_HISTORY)  # untimed seconds per sample
+        self._optimizer_history: deque = deque(maxlen=SLOWDOWN_HISTORY)  # optimizer seconds per step
+        self._steps = 0  # steps read by step_seconds(); the first (compiling) is kept out of the histories
 
     # -- marks and the slowdown
 
@@ -318,11 +325,19 @@ class BlockTimer:
         return cycles
 
     def slow_untimed(self, samples: int) -> None:
-        """Debug slowdown of the step's untimed compute (call at the step's end, outside its
-        timed phases), sized from the recent steps' untimed seconds per sample (median)."""
-        if self.slow_factor >= 1 or not self._untimed_history:
-            return
-        extra = (1.0 / self.slow_factor - 1.0) * statistics.median(self._untimed_history) * samples
+        """Debug slowdown of a micro-batch's untimed per-sample work (embedding, final norm,
+        loss): call before the micro-batch, outside the step's phases, so that the spin is
+        not counted as untimed work in turn."""
+        if self.slow_factor < 1 and self._untimed_history:
+            self._extra(statistics.median(self._untimed_history) * samples)
+
+    def slow_optimizer(self) -> None:
+        """Debug slowdown of the optimizer step: call right after it, outside its phase."""
+        if self.slow_factor < 1 and self._optimizer_history:
+            self._extra(statistics.median(self._optimizer_history))
+
+    def _extra(self, own_seconds: float) -> None:
+        extra = (1.0 / self.slow_factor - 1.0) * own_seconds
         if self.cuda:
             self._spin(extra)
         else:
@@ -330,15 +345,16 @@ class BlockTimer:
 
     def account_step(self, forward_s: float, optimizer_s: float, samples: int) -> None:
         """The step's forward and optimizer phase seconds on this rank (after step_seconds()).
-        The untimed work is the forward phase's rest (embedding, final norm, loss), with a
-        backward in the timed modules' backward-to-forward proportion, plus the optimizer.
-        The backward phase itself is not used: under DDP it ends waiting for the other
-        ranks' all-reduce, and stretching that wait too made a slowed rank slower still and
-        noisy on 2 x H200 (run 7, bench/results/balance_gpu.md)."""
-        if samples and self._own_forward_s > 0:
-            untimed_forward = max(0.0, forward_s - self._timed_forward_s)
-            self._untimed_history.append((untimed_forward * self._own_s / self._own_forward_s + optimizer_s)
-                                         / samples)
+        The untimed per-sample work is the forward phase's rest (embedding, final norm, loss),
+        with a backward in the timed modules' backward-to-forward proportion. The backward
+        phase itself is not used: under DDP it ends waiting for the other ranks' all-reduce,
+        and stretching that wait too made a slowed rank slower still and noisy on 2 x H200
+        (run 7, bench/results/balance_gpu.md)."""
+        if self._steps <= 1 or not samples or self._own_forward_s <= 0:
+            return
+        untimed_forward = max(0.0, forward_s - self._timed_forward_s)
+        self._untimed_history.append(untimed_forward * self._own_s / self._own_forward_s / samples)
+        self._optimizer_history.append(optimizer_s)
 
     # -- forward and backward
 
@@ -427,8 +443,9 @@ class BlockTimer:
             sums = work.setdefault(iv.key, [0.0, 0])
             sums[0] += own
             sums[1] += iv.batch
+        self._steps += 1
         for key, (t, n) in work.items():
-            if n:
+            if n and self._steps > 1:
                 self._work_history.setdefault(key, deque(maxlen=SLOWDOWN_HISTORY)).append(t / n)
         if spun_s > 1e-3:
             self._cycles_per_s = spun_cycles / spun_s

@@ -561,6 +561,8 @@ class Trainer:
                 else:
                     loss_sum = torch.zeros((), device=self.device)
                     for i, batch in enumerate(micro):
+                        if self.block_timer is not None:  # debug.slow_ranks: the untimed per-sample work
+                            self.block_timer.slow_untimed(len(batch["tokens"]))
                         with self._sync_context(last=i == len(micro) - 1), self._loss_context():
                             with phases("forward"):
                                 ce = self._summed_loss(batch)
@@ -576,8 +578,8 @@ class Trainer:
                         group["lr"] = lr
                     self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
-                if self.block_timer is not None:  # debug.slow_ranks: the rest of the step's compute
-                    self.block_timer.slow_untimed(samples)
+                if self.block_timer is not None:  # debug.slow_ranks: the optimizer's share
+                    self.block_timer.slow_optimizer()
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)
                 step_time = time.perf_counter() - t0
