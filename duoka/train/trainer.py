@@ -445,7 +445,7 @@ class Trainer:
         with self._autocast():
             logits = self.model(**model_inputs)
         if self.compile_loss:
-            return compiled_cross_entropy_sum(logits, batch["labels"])
+            return compiled_cross_entropy_sum(logits, batch["labels"], varying_batch=self.balancer.mode != "off")
         return cross_entropy_sum(logits, batch["labels"])
 
     def _pipeline_step(self, micro: list[dict], global_tokens: torch.Tensor) -> torch.Tensor:
