@@ -201,8 +201,8 @@ class MetricsConfig:
 @dataclass
 class DebugConfig:
     slow_ranks: str = opt("", "Fault injection for tests and demos: \"RANK:FACTOR,...\" makes each named rank run "
-                              "at FACTOR of its speed (1:0.5 = rank 1 at half speed): its decoder blocks wait in "
-                              "proportion to their own measured compute time.")
+                              "at FACTOR of its speed (1:0.5 = rank 1 at half speed): it waits in proportion to its "
+                              "own measured compute (each block and the LM head, the loss and the optimizer).")
 
 
 @dataclass
