@@ -77,7 +77,12 @@ FSDP_UNIT_S = 0.5e-3  # per FSDP unit per forward or backward pass (0.5-0.66 ms 
 # compute + communication, measured with tp 2 on 2 x H200 (bench/results/model_parallel.json:
 # 2.1x and 3.8x the estimate without it). Per-op dispatch on the host, redistributions.
 TP_BLOCK_OVERHEAD_S = 12e-3
-DDP_BUCKET_BYTES = 25 * 2**20  # DDP's default bucket_cap_mb
+# DDP's all-reduce is modelled as overlapped bucket by bucket, in 25 MB buckets, with one
+# bucket exposed. duoka's default buckets are 1000 MB: fewer, later all-reduces measured
+# 2-5% faster (bench/NOTES.md section 8) through less contention with the backward's
+# kernels, which this model leaves out; modelling the larger buckets' exposure without
+# that contention would penalise DDP for a change that made it faster.
+DDP_BUCKET_BYTES = 25 * 2**20
 OPTIMIZER_BYTES_PER_PARAM = 32  # fused AdamW: read w, g, m, v (16), write w, m, v (12), grad norm (4)
 AC_RECOMPUTE = 4 / 3  # full checkpointing runs each block's forward (1/3 of its FLOPs) again
 
