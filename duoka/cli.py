@@ -7,6 +7,8 @@ anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
 import sys
 import time
 from pathlib import Path
@@ -461,5 +463,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
 
+def run() -> None:
+    """The `duoka` command: main(), then a quick exit. Once main() has returned nothing is
+    left to do but the interpreter's teardown of torch's modules, 1-2 s on 2 CPU cores for
+    every command (import torch and exit: 2.5 s; with os._exit: 1.8 s). The exit handlers
+    still run (temporary directories, logging), and the output is flushed; only that
+    teardown is skipped. An exception leaves the normal way, traceback and all."""
+    code = main()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (BrokenPipeError, ValueError):  # a closed pipe (`duoka generate | head`) or stream
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

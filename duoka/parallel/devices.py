@@ -22,26 +22,35 @@ class GpuReading:
     utilization_pct: int
 
 
-def read_gpus() -> list[GpuReading]:
-    """All GPUs of this machine through NVML (which ignores CUDA_VISIBLE_DEVICES); an empty
-    list on a machine without an NVIDIA driver. Where PyTorch sees GPUs but NVML cannot be
-    read, that is an error, never a silent switch to CPU training."""
+NVML_FIX = ("check the driver with `nvidia-smi`; a driver/library version mismatch needs a reboot or a reload of "
+            "the nvidia kernel module")
+
+
+def check_torch_sees_no_gpu(why_no_nvml: str, fix: str) -> None:
+    """Raise when PyTorch sees GPUs that NVML could not list (see read_gpus)."""
     import torch
 
+    if torch.cuda.is_available():
+        raise DuokaError(f"PyTorch sees GPUs but {why_no_nvml}", fix)
+
+
+def read_gpus(check_torch: bool = True) -> list[GpuReading]:
+    """All GPUs of this machine through NVML (which ignores CUDA_VISIBLE_DEVICES); an empty
+    list on a machine without an NVIDIA driver. Where PyTorch sees GPUs but NVML cannot be
+    read, that is an error, never a silent switch to CPU training. `check_torch=False`
+    leaves that check to the caller (check_torch_sees_no_gpu): importing torch takes ~2 s,
+    which the launcher spends after starting its worker server, not before."""
     try:
         import pynvml
     except ImportError:
-        if torch.cuda.is_available():
-            raise DuokaError("PyTorch sees GPUs but nvidia-ml-py (NVML) is not installed",
-                             "pip install nvidia-ml-py") from None
+        if check_torch:
+            check_torch_sees_no_gpu("nvidia-ml-py (NVML) is not installed", "pip install nvidia-ml-py")
         return []
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as e:
-        if torch.cuda.is_available():
-            raise DuokaError(f"PyTorch sees GPUs but NVML cannot be read ({e})",
-                             "check the driver with `nvidia-smi`; a driver/library version mismatch needs a reboot "
-                             "or a reload of the nvidia kernel module") from None
+        if check_torch:
+            check_torch_sees_no_gpu(f"NVML cannot be read ({e})", NVML_FIX)
         return []
     try:
         out = []

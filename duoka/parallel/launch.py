@@ -104,7 +104,9 @@ def launch_training(
 
     # Devices. NVML sees every GPU whatever CUDA_VISIBLE_DEVICES says.
     env: dict[str, str] = {}
-    gpu_list = read_gpus()
+    # Without torch's check here: it imports torch (~2 s), which can wait until the
+    # worker server below has started importing it too (read_gpus again, below).
+    gpu_list = read_gpus(check_torch=False)
     if gpu_list:
         chosen = select_gpus(gpus, os.environ.get("CUDA_VISIBLE_DEVICES"), gpu_list)
         if not chosen:
@@ -129,6 +131,8 @@ def launch_training(
     os.environ.update(env)  # the worker environment is complete: the worker server may start
     if world > 1:
         _start_worker_server()
+    if not gpu_list:
+        read_gpus()  # raises if PyTorch sees GPUs that NVML could not list
 
     from duoka.data.dataset import RANDOM_DATA, PackedWindows, end_of_text_id, tokenize_corpus
     from duoka.data.prepare import MANIFEST, is_prepared
@@ -297,6 +301,28 @@ def _run_workers(spec, nproc_per_node: int, nnodes: int, node_rank: int, rdzv_en
     except ChildFailedError:
         _raise_worker_error(spec.run_dir)
         raise
+    finally:
+        _stop_worker_server()
+
+
+def _stop_worker_server() -> None:
+    """End the worker server once the agent has returned (its workers have all exited).
+    Left alone it lives until it notices this process's exit and then spends ~1 s in
+    torch's teardown, holding this process's stdout and stderr open: whoever reads them to
+    the end (a script, a test) waits for it, ~1.3 s a launch on 2 CPU cores. multiprocessing
+    has no public call for this; _stop() alone would wait for that teardown."""
+    import signal
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    server._stop()  # reaps it and forgets it, so a later launch in this process starts a new one
 
 
 def _start_worker_server() -> None:
