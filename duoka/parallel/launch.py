@@ -14,6 +14,7 @@ Multi-node: run the same command on every node with --nnodes, --node-rank and th
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -337,6 +338,10 @@ def _start_worker_server() -> None:
 
     multiprocessing.set_forkserver_preload(["duoka.train.trainer"])
     forkserver.ensure_running()
+    # A launch that fails before its workers start (a config or data error found after
+    # this) ends the server on the way out, as _run_workers does after its workers.
+    atexit.unregister(_stop_worker_server)  # once, however many launches this process makes
+    atexit.register(_stop_worker_server)
 
 
 def _shutdown_timeout() -> dict:
