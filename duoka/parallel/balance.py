@@ -296,14 +296,12 @@ class BlockTimer:
         if self.slow_factor >= 1:
             interval.end = interval.real_end  # one event less per interval when nothing is added
             return
-        extra_per_unit = 1.0 / self.slow_factor - 1.0
         if self.cuda:
             history = self._work_history.get(interval.key)
             if history:
-                per_sample = statistics.median(history)
-                interval.spin_cycles = self._spin(extra_per_unit * per_sample * interval.batch)
+                interval.spin_cycles = self._extra(statistics.median(history) * interval.batch)
         else:
-            time.sleep(extra_per_unit * (interval.real_end - interval.start))
+            self._extra(interval.real_end - interval.start)
         interval.end = self._mark()
 
     def _spin(self, seconds: float) -> int:
@@ -336,12 +334,14 @@ class BlockTimer:
         if self.slow_factor < 1 and self._optimizer_history:
             self._extra(statistics.median(self._optimizer_history))
 
-    def _extra(self, own_seconds: float) -> None:
+    def _extra(self, own_seconds: float) -> int:
+        """Add (1/slow_factor - 1) times `own_seconds`: a device spin (returns its cycles) or,
+        on CPU, a sleep (returns 0)."""
         extra = (1.0 / self.slow_factor - 1.0) * own_seconds
         if self.cuda:
-            self._spin(extra)
-        else:
-            time.sleep(extra)
+            return self._spin(extra)
+        time.sleep(extra)
+        return 0
 
     def account_step(self, forward_s: float, optimizer_s: float, samples: int) -> None:
         """The step's forward and optimizer phase seconds on this rank (after step_seconds()).

@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import signal
 import socket
 import time
 import uuid
@@ -312,7 +313,6 @@ def _stop_worker_server() -> None:
     torch's teardown, holding this process's stdout and stderr open: whoever reads them to
     the end (a script, a test) waits for it, ~1.3 s a launch on 2 CPU cores. multiprocessing
     has no public call for this; _stop() alone would wait for that teardown."""
-    import signal
     from multiprocessing import forkserver
 
     server = forkserver._forkserver
