@@ -5,7 +5,7 @@ as it finishes, stopping before a time budget runs out (a device call has a hard
         --case "qwen2-0.5b ddp+compile 8 peer" --case "qwen2-7b fsdp+compile+fused 4 seq=4096 profile"
 
 A case is `MODEL LAYOUT MICRO_BATCH` and options: `seq=S`, `gb=G` (global batch), `gpus=N`,
-`steps=N`, `peer` (the transformers peer in the same call), `profile` (top kernels),
+`steps=N`, `peer` (the transformers peer in the same call), `profile` (top kernels; the Chrome traces go to OUT_DIR/<case name>-trace/),
 `set:SECTION.KEY=VALUE` (extra train setting). Results: OUT_DIR/<case name>.json and a
 summary table OUT_DIR/summary.json.
 """
@@ -61,7 +61,8 @@ def main() -> None:
         try:
             r = bench(case["model"], case["layout"], case["seq"], case["micro_batch"], case["steps"], a.warmup,
                       case["global_batch"], case["peer"], Path(a.peer), case["gpus"],
-                      int(max(60, a.budget - elapsed)), case["settings"], case["profile"])
+                      int(max(60, a.budget - elapsed)), case["settings"], case["profile"],
+                      out / f"{case['name']}-trace" if case["profile"] else None)
         except Exception as e:  # one failing case must not lose the others' results
             summary.append({"case": text, "error": f"{type(e).__name__}: {e}"[-2000:]})
             traceback.print_exc()

@@ -13,6 +13,7 @@ parallelism; `vs_peer` = duoka tokens/s / peer tokens/s.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import shutil
@@ -85,7 +86,8 @@ def summarize(records: list[dict], warmup: int, world: int) -> dict:
 
 
 def run_duoka(model: str, layout: str, seq: int, micro_batch: int, global_batch: int | None, steps: int, warmup: int,
-              nproc: int, timeout: int, settings: list[str] = (), profile: bool = False) -> dict:
+              nproc: int, timeout: int, settings: list[str] = (), profile: bool = False,
+              trace_dir: Path | None = None) -> dict:
     flags, info = layout_overrides(layout)
     dp = nproc // (info["tp"] * info["pp"]) or 1
     global_batch = global_batch or micro_batch * dp
@@ -112,6 +114,11 @@ def run_duoka(model: str, layout: str, seq: int, micro_batch: int, global_batch:
                              "run the same duoka train command by hand for the whole log")
         records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
         kernels = json.loads((run / "profile" / "kernels-rank0.json").read_text()) if profile else None
+        if profile and trace_dir is not None:  # the run directory is temporary: keep the traces, compressed
+            trace_dir.mkdir(parents=True, exist_ok=True)
+            for trace in sorted((run / "profile").glob("trace-rank*.json")):
+                with trace.open("rb") as src, gzip.open(trace_dir / f"{trace.name}.gz", "wb") as dst:
+                    shutil.copyfileobj(src, dst)
     finally:
         shutil.rmtree(run.parent, ignore_errors=True)
     result = {**summarize(records, warmup, nproc), "global_batch": global_batch, "settings": list(settings)}
@@ -184,7 +191,7 @@ def run_peer(peer: Path, model: str, info: dict, seq: int, micro_batch: int, ste
 
 def bench(model: str, layout: str, seq: int, micro_batch: int, steps: int, warmup: int, global_batch: int | None,
           vs_peer: bool, peer: Path, nproc: int | None, timeout: int, settings: list[str] = (),
-          profile: bool = False) -> dict:
+          profile: bool = False, trace_dir: Path | None = None) -> dict:
     if nproc is None:
         import torch
 
@@ -192,7 +199,7 @@ def bench(model: str, layout: str, seq: int, micro_batch: int, steps: int, warmu
     result = {"model": model, "layout": layout, "seq": seq, "micro_batch": micro_batch, "gpus": nproc,
               "timed_steps": steps,
               **run_duoka(model, layout, seq, micro_batch, global_batch, steps, warmup, nproc, timeout, settings,
-                          profile)}
+                          profile, trace_dir)}
     if vs_peer:
         _, info = layout_overrides(layout)
         result["peer"] = run_peer(peer, model, info, seq, micro_batch, steps, warmup, nproc, timeout)

@@ -76,10 +76,13 @@ def test_loss_falls_in_reference(reference):
 
 @pytest.mark.parametrize("layout", [
     ["--nproc-per-node=2", "--parallel.dp_mode=ddp"],
-    ["--nproc-per-node=4", "--parallel.dp_mode=fsdp", "--parallel.dp_replicate=2"],
-    # Plain FSDP2 on 2 ranks is this leg without the fused loss, and the accumulation
-    # test's first leg (FSDP2, micro-batch 1): both cover it.
-    ["--nproc-per-node=2", "--parallel.dp_mode=fsdp", "--training.fused_loss=true"],
+    # All four blocks of the debug model in one FSDP2 unit.
+    ["--nproc-per-node=4", "--parallel.dp_mode=fsdp", "--parallel.dp_replicate=2", "--parallel.fsdp_blocks_per_unit=0"],
+    # Plain FSDP2 on 2 ranks is this leg without the fused loss and with one block per unit
+    # (the default), which the accumulation test's legs use. Here: a unit of three blocks
+    # (a list for fully_shard) and one of a single block.
+    ["--nproc-per-node=2", "--parallel.dp_mode=fsdp", "--training.fused_loss=true",
+     "--parallel.fsdp_blocks_per_unit=3"],
 ], ids=["ddp2", "hsdp2x2", "fsdp2-fused-loss"])
 def test_layout_matches_one_process(reference, tmp_path, layout):
     proc = train(tmp_path / "run", *layout)

@@ -122,8 +122,12 @@ def parallelize_qwen2(model: Qwen2, dims: ParallelDims, mesh: DeviceMesh, cfg: C
             # Each micro-batch's backward would gather the weights again: keep them
             # gathered between a stage's forward and backward (torchtitan's choice).
             reshard = False
-        for block in model.layers.values():
-            fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+        blocks = list(model.layers.values())
+        per_unit = cfg.parallel.fsdp_blocks_per_unit or len(blocks)
+        for first in range(0, len(blocks), per_unit):
+            unit = blocks[first:first + per_unit]
+            # A list makes one FSDP2 unit of several blocks: one collective for all of them.
+            fully_shard(unit if len(unit) > 1 else unit[0], mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
         # The root holds the embedding, final norm and head; it is used last in forward and
         # first in backward, so keeping it gathered after forward saves one all-gather.
         fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
