@@ -80,6 +80,7 @@ def summarize(records: list[dict], warmup: int, world: int) -> dict:
         "mfu": mfu,
         "peak_mem_gib": max((r.get("peak_mem_gib") or 0.0) for r in records),
         "step_time_s": statistics.median(r["step_time_s"] for r in timed),
+        "step_times_s": [r["step_time_s"] for r in timed],  # to spot a slow outlier behind a low mean
         "breakdown_s": {k: statistics.median(r["phase_s"].get(k, 0.0) for r in timed) for k in phases},
         "final_loss": timed[-1]["loss"],
     }

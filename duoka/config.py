@@ -131,11 +131,13 @@ class ParallelConfig:
                                                "Saves the unsharded fp32 gradients between micro-batches (4 bytes "
                                                "per parameter per GPU) for more reduce-scatter traffic, overlapped "
                                                "with backward.")
-    fsdp_blocks_per_unit: int = opt(1, "fsdp: consecutive transformer blocks sharded as one FSDP2 unit (one "
-                                         "all-gather and one reduce-scatter each); 0: all blocks in one unit. More "
-                                         "blocks per unit mean fewer, larger collectives and less per-unit host work, "
-                                         "but more gathered weights alive at once when resharding after forward.",
-                                    min=0)
+    fsdp_blocks_per_unit: int = opt(-1, "fsdp: consecutive transformer blocks sharded as one FSDP2 unit (one "
+                                          "all-gather and one reduce-scatter each); 0: all blocks in one unit; -1 "
+                                          "(auto): without resharding, enough blocks that a unit's forward outlasts "
+                                          "FSDP2's host work per unit (small models: Qwen2-0.5B at micro-batch 8 "
+                                          "gets 3), else 1. More blocks per unit mean fewer, larger collectives and "
+                                          "less host work, but with resharding more gathered weights alive at once.",
+                                    min=-1)
     ddp_bucket_mb: int = opt(1000, "ddp: gradient bucket size in MB (PyTorch's default is 25). Larger buckets "
                                    "launch fewer, larger all-reduces, later in backward: on 2 x H200, Qwen2-0.5B "
                                    "ran 2.5-4.8% faster with 200-4000 than with 25 (bench/NOTES.md section 8).",

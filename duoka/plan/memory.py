@@ -40,6 +40,8 @@ and pp, with and without checkpointing and accumulation): all within 2%
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import asdict, dataclass, field
 
 from duoka.errors import DuokaError
@@ -174,6 +176,25 @@ def block_params(args: ModelArgs) -> tuple[int, int, int]:
     matmul = qkv + args.n_heads * hd * h + 3 * h * args.intermediate_size
     sharded = matmul + hd * (args.n_heads + 2 * args.n_kv_heads)  # + the q/k/v biases, split with their heads
     return sharded + 2 * h, sharded, matmul
+
+
+# FSDP2's host work per unit in forward (hooks, all-gather set-up, copy-out, stream waits)
+# took ~1.4 ms on the H200 host: with Qwen2-0.5B's blocks as units (1.6 ms of forward each at
+# micro-batch 8 x 2048) the forward became host-bound and its all-gathers exposed, 74 ms
+# against DDP's 40 (bench/NOTES.md section 9). A unit of at least this many parameter-tokens
+# per micro-batch (~3 ms of compiled forward on an H200) keeps the GPU ahead.
+UNIT_PARAM_TOKENS = 5e11
+
+
+def auto_blocks_per_unit(args: ModelArgs, micro_batch: int, seq_len: int, tp: int, reshard_after_forward: bool) -> int:
+    """parallel.fsdp_blocks_per_unit=-1: the fewest consecutive blocks per FSDP2 unit whose
+    forward carries UNIT_PARAM_TOKENS, when the weights stay gathered from forward to
+    backward anyway (no extra memory); 1 with resharding."""
+    if reshard_after_forward:
+        return 1
+    p_block, p_block_tp, _ = block_params(args)
+    block_local = p_block_tp / tp + (p_block - p_block_tp)
+    return max(1, min(args.n_layers, math.ceil(UNIT_PARAM_TOKENS / (block_local * micro_batch * seq_len))))
 
 
 def stage_layer_counts(n_layers: int, n_stages: int) -> list[int]:

@@ -25,8 +25,9 @@ absolute figure assumes a well-fed GPU and is no benchmark):
   resharding after forward) and reduce-scatters fp32 gradients once per step; HSDP adds
   an all-reduce of the shards across replicas. It overlaps with compute except the first
   unit's share; what does not fit under the compute time is exposed;
-- FSDP's per-unit cost (hooks, copies, stream waits): FSDP_UNIT_S per block per pass,
-  measured (bench/results/train_vs_peer.md: FSDP2 vs DDP on 2 x H200, 0.5B and 1.5B);
+- FSDP's per-unit cost (hooks, copies, stream waits): FSDP_UNIT_S per unit per pass,
+  measured (bench/results/train_vs_peer.md: FSDP2 vs DDP on 2 x H200, 0.5B and 1.5B); a
+  unit is one block, or several small ones without resharding (auto_blocks_per_unit);
 - pipeline: the slowest stage's time x (m + (pp-1)/v) for m micro-batches and v stages
   per rank, i.e. the bubble fraction (pp-1)/(v·m + pp-1) of Narayanan et al. 2021
   (arXiv:2104.04473); plus the stage-to-stage sends;
@@ -50,6 +51,7 @@ from duoka.plan.memory import (
     GIB,
     Layout,
     MemoryBreakdown,
+    auto_blocks_per_unit,
     block_params,
     estimate_memory,
     stage_layer_counts,
@@ -370,7 +372,10 @@ def estimate_step_time(args: ModelArgs, layout: Layout, micro_batch: int, seq_le
     # Without resharding only the forward gathers: one pass of per-unit cost fewer (7B on
     # 2 x H200: -22 ms per micro-batch of 4 over 28 blocks, bench/results/speed.md).
     passes = 1 if pp == 1 and not layout.reshard_after_forward else 2
-    fsdp_mb = FSDP_UNIT_S * passes * (rank_layers + 1) if layout.fsdp else 0.0
+    # Without resharding, small blocks are grouped into larger units (the trainer's
+    # parallel.fsdp_blocks_per_unit=-1): fewer units, less per-unit cost.
+    per_unit = auto_blocks_per_unit(args, micro_batch, seq_len, tp, layout.reshard_after_forward or pp > 1)
+    fsdp_mb = FSDP_UNIT_S * passes * (math.ceil(rank_layers / per_unit) + 1) if layout.fsdp else 0.0
     rank_mb = compute_mb + tp_mb + fsdp_mb
     pipelined = rank_mb * (m + (pp - 1) / v)
     bubble = ((pp - 1) / v) / (m + (pp - 1) / v) if pp > 1 else 0.0
@@ -381,7 +386,7 @@ def estimate_step_time(args: ModelArgs, layout: Layout, micro_batch: int, seq_le
     vocab_rows = args.vocab_size * args.dim / tp
     local = rank_layers * block_local + (2 * vocab_rows if pp == 1 and not args.tie_word_embeddings else vocab_rows)
 
-    dp_s, units = 0.0, rank_layers + 1
+    dp_s, units = 0.0, math.ceil(rank_layers / per_unit) + 1
     if layout.ddp_wrapper:
         d = layout.dp_replicate
         dp_s = 2 * (d - 1) / d * 4 * local / hw.bandwidth(crosses_nodes(layout, "dp_replicate", hw.gpus_per_node))

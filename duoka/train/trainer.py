@@ -49,7 +49,7 @@ from duoka.monitor.sinks import PrometheusSink, TensorBoardSink
 from duoka.parallel.balance import Balancer, BlockTimer, parse_rank_factors
 from duoka.parallel.balance import check_config as check_balance_config
 from duoka.parallel.dims import ParallelDims
-from duoka.plan.memory import largest_fitting_micro_batch
+from duoka.plan.memory import auto_blocks_per_unit, largest_fitting_micro_batch
 from duoka.train.checkpoint import async_stager, load_checkpoint, save_checkpoint
 from duoka.train.loss import IGNORE_INDEX, compiled_cross_entropy_sum, cross_entropy_sum
 from duoka.train.profiling import profiled_step
@@ -225,6 +225,14 @@ class Trainer:
         self.active_alerts: set[str] = set()
         self.block_timer = BlockTimer(self.device, self.slow_factor, varying_batch=cfg.parallel.balance != "off") \
             if cfg.parallel.balance != "off" or self.slow_factor < 1 else None
+        # The micro-batch is settled before the model is built: FSDP2's unit size follows it.
+        mb = cfg.training.micro_batch_size
+        if mb == "auto":
+            mb = self._auto_micro_batch()
+        if cfg.parallel.fsdp_blocks_per_unit == -1:
+            cfg.parallel.fsdp_blocks_per_unit = auto_blocks_per_unit(
+                self.args, mb, cfg.training.seq_len, self.dims.tp,
+                cfg.parallel.reshard_after_forward and self.dims.pp == 1)
         self.model = self._build_pipeline() if self.dims.pp > 1 else self._build_model()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.n_params = self.args.num_params()  # what the MFU alert expects depends on the model size
@@ -242,9 +250,6 @@ class Trainer:
             self.data = PackedWindows(Path(spec.token_file), cfg.training.seq_len)
         # The end-of-text id that separates packed documents, when attention stops at them.
         self.eot = spec.end_of_text if cfg.data.document_masking and spec.token_file is not None else None
-        mb = cfg.training.micro_batch_size
-        if mb == "auto":
-            mb = self._auto_micro_batch()
         self.batch = plan_batch(cfg.training.global_batch_size, self.dp_size, mb)
         # FSDP2 gathers parameters in every micro-batch: equal micro-batch counts on all ranks.
         self.balancer = Balancer(cfg.parallel.balance, self.dp_size, cfg.training.global_batch_size,
@@ -263,6 +268,8 @@ class Trainer:
         self.start_step, self.tokens_seen = 0, 0
         self.pending_save = None
         self.async_group = dist.new_group(backend="gloo") if cfg.checkpoint.async_save else None
+        # The per-step metrics rows travel on the host (see _gather_rank_rows).
+        self.metrics_group = dist.new_group(backend="gloo")
         self.stager = async_stager(self.device) if cfg.checkpoint.async_save else None
         if spec.resume_from:
             t = time.perf_counter()
@@ -534,13 +541,19 @@ class Trainer:
         return sinks
 
     def _loop(self, steps, prefetch, console, started) -> None:
-        cfg, is_main = self.cfg, self.rank == 0
-        tokens_seen = self.tokens_seen
+        cfg = self.cfg
         step = self.start_step - 1
+        # A step's figures (loss, grad norm, times) are read one step later, once the GPU is
+        # past it: the host then never waits for the GPU between steps and launches the next
+        # step while the last one runs (an idle gap of ~3 ms a step before, 2.5% of a Qwen2-0.5B
+        # step on H200). Load balancing and the debug slowdown read their block timings at
+        # the step's end and keep the synchronous end.
+        deferred = self.block_timer is None and self.balancer.mode == "off"
+        pending: _StepEnd | None = None
+        last_end = _StepClock(self.device)
         for step in range(self.start_step, steps):
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)  # peak_mem_gib is this step's peak
-            # The trace is written after the step's timing, so it does not count in step_time.
             with profiled_step(self.run_dir / "profile", self.rank, self.device,
                                step + 1 == cfg.metrics.profile_step):
                 t0 = time.perf_counter()
@@ -580,54 +593,88 @@ class Trainer:
                     self.optimizer.zero_grad(set_to_none=True)
                 if self.block_timer is not None:  # debug.slow_ranks: the optimizer's share
                     self.block_timer.slow_optimizer()
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)
-                step_time = time.perf_counter() - t0
+                this = _StepEnd(step + 1, last_end, _StepClock(self.device), phases, loss_sum, grad_norm, lr,
+                                local_tokens, t_data, samples, self._memory_row())
+                last_end = this.end
+                profiling = step + 1 == cfg.metrics.profile_step
+                if not deferred or profiling:
+                    this.end.wait()  # a profiled step's trace must hold every kernel of it
+            if profiling:
+                last_end = _StepClock(self.device)  # writing the trace is no part of the next step
 
-            # One small all-gather per step carries every rank's figures for the metrics line
-            # and whether any rank was asked to stop (SIGTERM), so all stop at the same step.
-            per_rank = self._gather_rank_rows(loss_sum, local_tokens, step_time, t_data, samples)
-            tokens_seen += int(per_rank[:, COL["tokens"]].sum())
-            record = self._record(step + 1, per_rank, tokens_seen, lr, float(grad_norm))
-            # Rank 0's phases; the rest of the step is exposed communication and host gaps.
-            record["phase_s"] = dict(phases.seconds(), data=t_data)
-            if self.block_timer is not None:
-                self.block_timer.account_step(record["phase_s"].get("forward", 0.0),
-                                              record["phase_s"].get("optimizer", 0.0), samples)
-            record["phase_s"]["other"] = max(0.0, step_time - sum(record["phase_s"].values()))
-            if self.balancer.mode != "off":
-                record["balance"] = self._balance_step(step, per_rank, console)
-            if cfg.metrics.alerts:
-                record["alerts"] = self._alerts(record, console)
-            for sink in self.sinks:
-                sink.write(record)
-            if console and ((step + 1) % cfg.metrics.log_interval == 0 or step + 1 == steps or step == 0):
-                console.progress(record, steps, time.perf_counter() - started, self.start_step)
-            self.tokens_seen = tokens_seen
-            # Finish a background save only when every rank's write is done: each rank's own
-            # poll could differ, and one rank alone entering the barrier in
-            # _saved_in_background would meet the others' next collectives (a hang seen in CI).
-            if self.pending_save is not None and per_rank[:, COL["save_done"]].min() > 0:
-                self.pending_save.poll(wait=True)
-                self._saved_in_background()
-            if per_rank[:, COL["stop"]].max() > 0:
+            ready, pending = (pending, this) if deferred else (this, None)
+            stop = ready is not None and self._finish_step(ready, console, started, steps)
+            interval = cfg.checkpoint.interval
+            save_now = interval and (step + 1) % interval == 0 and step + 1 != steps
+            if (stop or save_now) and pending is not None:
+                # A checkpoint holds the tokens seen so far, and metrics.jsonl must not lack a
+                # step that a resume would skip: finish the step being saved first.
+                stop = self._finish_step(pending, console, started, steps) or stop
+                pending = None
+            if stop:
                 self.checkpoint(step + 1)
                 self._finish_pending_save()
-                if is_main:
+                if self.rank == 0:
                     (self.run_dir / "STOPPED").write_text(str(step + 1))
                 if console:
                     console.out.print(f"[bold yellow]stopped by SIGTERM after step {step + 1}[/]; continue with "
                                       f"--checkpoint.resume=auto --job.output_dir={self.run_dir}")
                 return
-            interval = cfg.checkpoint.interval
-            if interval and (step + 1) % interval == 0 and step + 1 != steps:
+            if save_now:
                 self.checkpoint(step + 1)
+                last_end = _StepClock(self.device)  # the next step's time leaves the save out
+        if pending is not None:
+            self._finish_step(pending, console, started, steps)  # a stop asked for now ends the run anyway
         if step + 1 > self.start_step or not (self.run_dir / "checkpoints" / f"step-{steps}").exists():
             self.checkpoint(steps)
         self._finish_pending_save()
         final = self.export(steps) if cfg.checkpoint.export_final else None
         if console:
             console.done(self.run_dir, final, time.perf_counter() - started)
+
+    def _memory_row(self) -> dict:
+        """The step's allocator figures, read when its work is launched (the allocator counts
+        on the host, so they are already final) and before the next step resets the peak."""
+        if self.device.type != "cuda":
+            return {}
+        stats = torch.cuda.memory_stats(self.device)
+        return {"peak_gib": torch.cuda.max_memory_allocated(self.device) / 2**30,
+                "active_gib": torch.cuda.memory_allocated(self.device) / 2**30,
+                "alloc_retries": stats.get("num_alloc_retries", 0), "ooms": stats.get("num_ooms", 0)}
+
+    def _finish_step(self, done: _StepEnd, console, started: float, steps: int) -> bool:
+        """Everything that needs a step's results, once the GPU is past it: the per-rank rows,
+        the metrics record and its sinks, the console line, a background save's completion.
+        Returns whether a rank was asked to stop (SIGTERM), which every rank then sees."""
+        cfg = self.cfg
+        step_time = done.end.seconds_since(done.start)
+        # One small all-gather per step carries every rank's figures for the metrics line
+        # and whether any rank was asked to stop, so all stop at the same step.
+        per_rank = self._gather_rank_rows(done, step_time)
+        self.tokens_seen += int(per_rank[:, COL["tokens"]].sum())
+        record = self._record(done.step, per_rank, self.tokens_seen, done.lr, float(done.grad_norm))
+        # Rank 0's phases; the rest of the step is exposed communication and host gaps.
+        record["phase_s"] = dict(done.phases.seconds(), data=done.data_time)
+        if self.block_timer is not None:
+            self.block_timer.account_step(record["phase_s"].get("forward", 0.0),
+                                          record["phase_s"].get("optimizer", 0.0), done.samples)
+        record["phase_s"]["other"] = max(0.0, step_time - sum(record["phase_s"].values()))
+        if self.balancer.mode != "off":
+            record["balance"] = self._balance_step(done.step - 1, per_rank, console)
+        if cfg.metrics.alerts:
+            record["alerts"] = self._alerts(record, console)
+        for sink in self.sinks:
+            sink.write(record)
+        if console and (done.step % cfg.metrics.log_interval == 0 or done.step == steps
+                        or done.step == self.start_step + 1):
+            console.progress(record, steps, time.perf_counter() - started, self.start_step)
+        # Finish a background save only when every rank's write is done: each rank's own
+        # poll could differ, and one rank alone entering the barrier in
+        # _saved_in_background would meet the others' next collectives (a hang seen in CI).
+        if self.pending_save is not None and per_rank[:, COL["save_done"]].min() > 0:
+            self.pending_save.poll(wait=True)
+            self._saved_in_background()
+        return bool(per_rank[:, COL["stop"]].max() > 0)
 
     def _balance_step(self, step: int, per_rank: torch.Tensor, console) -> dict:
         """Feed the balancer the step's gathered block times and sample counts (one row per
@@ -643,21 +690,16 @@ class Trainer:
                 "compute_s": seconds,
                 "speed": [n / t if t > 0 else None for n, t in zip(samples, seconds)]}
 
-    def _gather_rank_rows(self, loss_sum, local_tokens: int, step_time: float, t_data: float,
-                          samples: int) -> torch.Tensor:
-        """Every rank's ROW_FIELDS for the step, [world, len(ROW_FIELDS)] on the host."""
+    def _gather_rank_rows(self, done: _StepEnd, step_time: float) -> torch.Tensor:
+        """Every rank's ROW_FIELDS for the step, [world, len(ROW_FIELDS)] on the host. The
+        gather runs on a gloo group: on the host, so it never queues behind the GPU's work."""
         counted = self.counts_for_metrics
         row = dict.fromkeys(ROW_FIELDS, math.nan)
-        row.update(loss_sum=loss_sum.item() if counted else 0.0, tokens=local_tokens if counted else 0,
-                   step_time=step_time, data_time=t_data, stop=float(self.stop_requested),
+        row.update(loss_sum=done.loss_sum.item() if counted else 0.0, tokens=done.tokens if counted else 0,
+                   step_time=step_time, data_time=done.data_time, stop=float(self.stop_requested),
                    compute_s=self.block_timer.step_seconds() if self.block_timer is not None else 0.0,
-                   samples=samples,
+                   samples=done.samples, **done.memory,
                    save_done=float(self.pending_save is not None and self.pending_save.future.done()))
-        if self.device.type == "cuda":
-            stats = torch.cuda.memory_stats(self.device)
-            row.update(peak_gib=torch.cuda.max_memory_allocated(self.device) / 2**30,
-                       active_gib=torch.cuda.memory_allocated(self.device) / 2**30,
-                       alloc_retries=stats.get("num_alloc_retries", 0), ooms=stats.get("num_ooms", 0))
         if self.gpu_sampler is not None:
             g = self.gpu_sampler.latest()[0]
             row.update({f"gpu_{k}": float(v) for k, v in (
@@ -667,10 +709,10 @@ class Trainer:
                 ("pcie_rx", g.pcie_rx_bytes_per_s), ("nvlink_tx", g.nvlink_tx_bytes_per_s),
                 ("nvlink_rx", g.nvlink_rx_bytes_per_s), ("sm_active", g.sm_active_pct),
                 ("sm_occupancy", g.sm_occupancy_pct), ("throttle_mask", g.throttle_mask)) if v is not None})
-        mine = torch.tensor([row[k] for k in ROW_FIELDS], device=self.device, dtype=torch.float64)
+        mine = torch.tensor([row[k] for k in ROW_FIELDS], dtype=torch.float64)
         gathered = [torch.zeros_like(mine) for _ in range(self.world)]
-        dist.all_gather(gathered, mine)
-        return torch.stack(gathered).cpu()
+        dist.all_gather(gathered, mine, group=self.metrics_group)
+        return torch.stack(gathered)
 
     def _record(self, step: int, per_rank: torch.Tensor, tokens_seen: int, lr: float, grad_norm: float) -> dict:
         """The metrics.jsonl line (design.md's contract) from the gathered per-rank rows."""
@@ -782,9 +824,48 @@ class Trainer:
         return out
 
 
+class _StepClock:
+    """The moment a step's work ends: a CUDA event on the compute stream (GPU time, read
+    without stopping the host), or the wall clock on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.event = torch.cuda.Event(enable_timing=True)
+            self.event.record()
+        else:
+            self.time = time.perf_counter()
+
+    def wait(self) -> None:
+        if self.cuda:
+            self.event.synchronize()
+
+    def seconds_since(self, earlier: _StepClock) -> float:
+        if not self.cuda:
+            return self.time - earlier.time
+        self.event.synchronize()
+        return earlier.event.elapsed_time(self.event) / 1000
+
+
+@dataclass
+class _StepEnd:
+    """What a step leaves for its metrics, read once the GPU has finished it."""
+    step: int  # 1-based, as in metrics.jsonl
+    start: _StepClock  # the previous step's end: the step's time includes any gap before it
+    end: _StepClock
+    phases: PhaseTimer
+    loss_sum: torch.Tensor
+    grad_norm: torch.Tensor
+    lr: float
+    tokens: int
+    data_time: float
+    samples: int
+    memory: dict
+
+
 class PhaseTimer:
     """Time spent in each phase of a step: GPU time between CUDA events recorded on the
-    compute stream (read after the step's closing synchronize, so timing adds no sync), or
+    compute stream (read once the GPU has finished the step, so timing adds no sync), or
     wall clock on CPU. A phase's interval includes waiting for communication it depends on
     (FSDP2's all-gathers in forward, the last gradient reduction in backward)."""
 

@@ -123,7 +123,10 @@ def parallelize_qwen2(model: Qwen2, dims: ParallelDims, mesh: DeviceMesh, cfg: C
             # gathered between a stage's forward and backward (torchtitan's choice).
             reshard = False
         blocks = list(model.layers.values())
-        per_unit = cfg.parallel.fsdp_blocks_per_unit or len(blocks)
+        per_unit = cfg.parallel.fsdp_blocks_per_unit
+        if per_unit < 0:
+            raise ValueError("resolve parallel.fsdp_blocks_per_unit=-1 with plan.memory.auto_blocks_per_unit first")
+        per_unit = per_unit or len(blocks)
         for first in range(0, len(blocks), per_unit):
             unit = blocks[first:first + per_unit]
             # A list makes one FSDP2 unit of several blocks: one collective for all of them.
