@@ -73,6 +73,7 @@ def main() -> None:
                "mfu": r["mfu"] and round(r["mfu"], 4), "peak_gib": round(r["peak_mem_gib"], 1),
                "step_s": round(r["step_time_s"], 4), "breakdown_ms": {k: round(v * 1e3, 1)
                                                                      for k, v in r["breakdown_s"].items()},
+               "host_ms": r.get("host_s") and {k: round(v * 1e3, 1) for k, v in r["host_s"].items()},
                "wall_s": round(r["wall_s"])}
         if "peer" in r:
             row.update(peer_tok_s_gpu=r["peer"]["tokens_per_s_per_gpu"], peer_peak_gib=r["peer"]["peak_mem_gib"],

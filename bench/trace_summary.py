@@ -77,6 +77,8 @@ def summarize(events: list[dict]) -> dict:
     for k in kernels:
         if "nccl" not in k["name"].lower():
             per_stream[k["tid"]] += k["dur"]
+    if not per_stream:
+        return {}  # a CPU run's trace: no kernels
     compute = max(per_stream, key=per_stream.get)
     out = {}
     for name in PHASES:

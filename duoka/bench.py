@@ -81,6 +81,8 @@ def summarize(records: list[dict], warmup: int, world: int) -> dict:
         "peak_mem_gib": max((r.get("peak_mem_gib") or 0.0) for r in records),
         "step_time_s": statistics.median(r["step_time_s"] for r in timed),
         "step_times_s": [r["step_time_s"] for r in timed],  # to spot a slow outlier behind a low mean
+        "host_s": {k: statistics.median(r["host_s"][k] for r in timed) for k in ("launch", "wait")}
+        if all("host_s" in r for r in timed) else None,
         "breakdown_s": {k: statistics.median(r["phase_s"].get(k, 0.0) for r in timed) for k in phases},
         "final_loss": timed[-1]["loss"],
     }

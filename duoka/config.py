@@ -203,6 +203,8 @@ class MetricsConfig:
     profile_step: int = opt(0, "Record this step with torch.profiler: profile/trace-rank<R>.json (open in "
                                "Perfetto or chrome://tracing) and profile/kernels-rank<R>.json (device time per "
                                "kernel). 0: off.", min=0)
+    profile_steps: int = opt(1, "Consecutive steps recorded from profile_step; more than one shows how one step's "
+                                "work follows the last (whether the host keeps ahead of the GPU).", min=1)
 
 
 @dataclass
@@ -210,6 +212,9 @@ class DebugConfig:
     slow_ranks: str = opt("", "Fault injection for tests and demos: \"RANK:FACTOR,...\" makes each named rank run "
                               "at FACTOR of its speed (1:0.5 = rank 1 at half speed): it waits in proportion to its "
                               "own measured compute (each block and the LM head, the loss and the optimizer).")
+    check_host_syncs: bool = opt(False, "GPU only: from the third step on, raise at any operation inside a step that "
+                                        "makes the host wait for the GPU (torch.cuda.set_sync_debug_mode), naming "
+                                        "where it is; steps are meant to have none, so the host runs ahead.")
 
 
 @dataclass

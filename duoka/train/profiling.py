@@ -1,10 +1,9 @@
-"""One training step under torch.profiler (`metrics.profile_step`), for finding where the
+"""Training steps under torch.profiler (`metrics.profile_step`), for finding where the
 time goes: which attention kernel runs, how long the loss and the optimizer take, how much
 communication is exposed. Writes a Chrome/Perfetto trace and a per-kernel table per rank."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import statistics
 import time
@@ -30,20 +29,22 @@ def median_seconds(fn, device: torch.device, iters: int, warmup: int = 3) -> flo
     return statistics.median(times)
 
 
-@contextlib.contextmanager
-def profiled_step(out_dir: Path, rank: int, device: torch.device, enabled: bool, top: int = 40):
-    """Profile the enclosed step when `enabled`; otherwise do nothing. The caller's step
-    ends with a device synchronize, so every kernel of the step is in the trace."""
-    if not enabled:
-        yield
-        return
-    cuda = device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities, record_shapes=False) as prof:
-        yield
+def start_profile(device: torch.device):
+    """Start torch.profiler for `metrics.profile_step` (and the `profile_steps` after it)."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    prof = profile(activities=activities, record_shapes=False)
+    prof.start()
+    return prof
+
+
+def write_profile(prof, out_dir: Path, rank: int, device: torch.device, top: int = 40) -> None:
+    """Stop the profiler and write the Chrome/Perfetto trace and the per-kernel table. The
+    caller has waited for the GPU to finish the profiled steps, so all their kernels are in."""
+    prof.stop()
     out_dir.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(out_dir / f"trace-rank{rank}.json"))
-    (out_dir / f"kernels-rank{rank}.json").write_text(json.dumps(kernel_table(prof, cuda, top), indent=1) + "\n")
+    table = kernel_table(prof, device.type == "cuda", top)
+    (out_dir / f"kernels-rank{rank}.json").write_text(json.dumps(table, indent=1) + "\n")
 
 
 def kernel_table(prof, cuda: bool, top: int) -> dict:

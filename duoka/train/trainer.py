@@ -52,7 +52,7 @@ from duoka.parallel.dims import ParallelDims
 from duoka.plan.memory import auto_blocks_per_unit, largest_fitting_micro_batch
 from duoka.train.checkpoint import async_stager, load_checkpoint, save_checkpoint
 from duoka.train.loss import IGNORE_INDEX, compiled_cross_entropy_sum, cross_entropy_sum
-from duoka.train.profiling import profiled_step
+from duoka.train.profiling import start_profile, write_profile
 from duoka.train.optim import build_optimizer, effective_lr, lr_at, plan_batch
 
 
@@ -551,11 +551,14 @@ class Trainer:
         deferred = self.block_timer is None and self.balancer.mode == "off"
         pending: _StepEnd | None = None
         last_end = _StepClock(self.device)
+        profiler, last_profiled = None, min(steps, cfg.metrics.profile_step + cfg.metrics.profile_steps - 1)
         for step in range(self.start_step, steps):
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)  # peak_mem_gib is this step's peak
-            with profiled_step(self.run_dir / "profile", self.rank, self.device,
-                               step + 1 == cfg.metrics.profile_step):
+            if step + 1 == cfg.metrics.profile_step:
+                profiler = start_profile(self.device)
+            with _no_host_syncs(cfg.debug.check_host_syncs and self.device.type == "cuda"
+                                and step >= self.start_step + 2):
                 t0 = time.perf_counter()
                 host = prefetch.get(step)
                 local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in host)  # on the host: no GPU sync
@@ -563,9 +566,10 @@ class Trainer:
                 micro = [{k: t.to(self.device, non_blocking=True) for k, t in b.items()} for b in host]
                 t_data = time.perf_counter() - t0
 
-                # Every tp and pp rank of a data-parallel replica holds the same tokens.
-                global_tokens = torch.tensor(float(local_tokens), device=self.device, dtype=torch.float64)
-                dist.all_reduce(global_tokens)
+                # Counted again on the GPU from the copied labels: a tensor made from the host's
+                # count would be a synchronous copy, the host waiting for the previous step.
+                global_tokens = sum((b["labels"] != IGNORE_INDEX).sum() for b in micro).to(torch.float64)
+                dist.all_reduce(global_tokens)  # every tp and pp rank of a replica holds the same tokens
                 global_tokens = (global_tokens / (self.dims.tp * self.dims.pp)).float()
                 phases = PhaseTimer(self.device)
                 if self.schedule is not None:
@@ -594,12 +598,14 @@ class Trainer:
                 if self.block_timer is not None:  # debug.slow_ranks: the optimizer's share
                     self.block_timer.slow_optimizer()
                 this = _StepEnd(step + 1, last_end, _StepClock(self.device), phases, loss_sum, grad_norm, lr,
-                                local_tokens, t_data, samples, self._memory_row())
+                                local_tokens, t_data, samples, self._memory_row(), time.perf_counter() - t0)
                 last_end = this.end
-                profiling = step + 1 == cfg.metrics.profile_step
-                if not deferred or profiling:
-                    this.end.wait()  # a profiled step's trace must hold every kernel of it
-            if profiling:
+                profiled = profiler is not None and step + 1 == last_profiled
+                if not deferred or profiled:
+                    with _host_syncs_allowed():
+                        this.end.wait()  # the trace must hold every kernel of the profiled steps
+            if profiled:
+                write_profile(profiler, self.run_dir / "profile", self.rank, self.device)
                 last_end = _StepClock(self.device)  # writing the trace is no part of the next step
 
             ready, pending = (pending, this) if deferred else (this, None)
@@ -647,7 +653,9 @@ class Trainer:
         the metrics record and its sinks, the console line, a background save's completion.
         Returns whether a rank was asked to stop (SIGTERM), which every rank then sees."""
         cfg = self.cfg
+        t = time.perf_counter()
         step_time = done.end.seconds_since(done.start)
+        waited = time.perf_counter() - t
         # One small all-gather per step carries every rank's figures for the metrics line
         # and whether any rank was asked to stop, so all stop at the same step.
         per_rank = self._gather_rank_rows(done, step_time)
@@ -655,6 +663,9 @@ class Trainer:
         record = self._record(done.step, per_rank, self.tokens_seen, done.lr, float(done.grad_norm))
         # Rank 0's phases; the rest of the step is exposed communication and host gaps.
         record["phase_s"] = dict(done.phases.seconds(), data=done.data_time)
+        # The host's side, rank 0: launching the step's work, and waiting for the GPU to finish
+        # it once the next step is launched. A wait near zero means the GPU waits for the host.
+        record["host_s"] = {"launch": done.launch_s, "wait": waited}
         if self.block_timer is not None:
             self.block_timer.account_step(record["phase_s"].get("forward", 0.0),
                                           record["phase_s"].get("optimizer", 0.0), done.samples)
@@ -824,6 +835,32 @@ class Trainer:
         return out
 
 
+@contextlib.contextmanager
+def _no_host_syncs(enabled: bool):
+    """debug.check_host_syncs: raise at an operation that makes the host wait for the GPU."""
+    if not enabled:
+        yield
+        return
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@contextlib.contextmanager
+def _host_syncs_allowed():
+    """A wait the step means to make (the synchronous end of a balanced step)."""
+    mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
+    if mode:
+        torch.cuda.set_sync_debug_mode("default")
+    try:
+        yield
+    finally:
+        if mode:
+            torch.cuda.set_sync_debug_mode(mode)
+
+
 class _StepClock:
     """The moment a step's work ends: a CUDA event on the compute stream (GPU time, read
     without stopping the host), or the wall clock on CPU."""
@@ -861,6 +898,7 @@ class _StepEnd:
     data_time: float
     samples: int
     memory: dict
+    launch_s: float  # host time from the step's start to its last launch
 
 
 class PhaseTimer:
