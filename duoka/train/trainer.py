@@ -557,8 +557,8 @@ class Trainer:
                 torch.cuda.reset_peak_memory_stats(self.device)  # peak_mem_gib is this step's peak
             if step + 1 == cfg.metrics.profile_step:
                 profiler = start_profile(self.device)
-            with _no_host_syncs(cfg.debug.check_host_syncs and self.device.type == "cuda"
-                                and step >= self.start_step + 2):
+            checking = cfg.debug.check_host_syncs and self.device.type == "cuda" and step >= self.start_step + 2
+            with _no_host_syncs(checking):
                 t0 = time.perf_counter()
                 host = prefetch.get(step)
                 local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in host)  # on the host: no GPU sync
@@ -597,7 +597,11 @@ class Trainer:
                     self.optimizer.zero_grad(set_to_none=True)
                 if self.block_timer is not None:  # debug.slow_ranks: the optimizer's share
                     self.block_timer.slow_optimizer()
-                this = _StepEnd(step + 1, last_end, _StepClock(self.device), phases, loss_sum, grad_norm, lr,
+                # The loss and the norm go to host memory behind the step's work, and the step's
+                # end is marked after that copy: reading them later waits for nothing else
+                # (.item() would wait for every kernel queued since, the next step's too).
+                scalars = _to_host(torch.stack([loss_sum.double(), grad_norm.double()]))
+                this = _StepEnd(step + 1, last_end, _StepClock(self.device), phases, scalars, lr,
                                 local_tokens, t_data, samples, self._memory_row(), time.perf_counter() - t0)
                 last_end = this.end
                 profiled = profiler is not None and step + 1 == last_profiled
@@ -609,7 +613,8 @@ class Trainer:
                 last_end = _StepClock(self.device)  # writing the trace is no part of the next step
 
             ready, pending = (pending, this) if deferred else (this, None)
-            stop = ready is not None and self._finish_step(ready, console, started, steps)
+            with _no_host_syncs(checking):
+                stop = ready is not None and self._finish_step(ready, console, started, steps)
             interval = cfg.checkpoint.interval
             save_now = interval and (step + 1) % interval == 0 and step + 1 != steps
             if (stop or save_now) and pending is not None:
@@ -654,13 +659,14 @@ class Trainer:
         Returns whether a rank was asked to stop (SIGTERM), which every rank then sees."""
         cfg = self.cfg
         t = time.perf_counter()
-        step_time = done.end.seconds_since(done.start)
+        with _host_syncs_allowed():  # the one wait a deferred step end makes
+            step_time = done.end.seconds_since(done.start)
         waited = time.perf_counter() - t
         # One small all-gather per step carries every rank's figures for the metrics line
         # and whether any rank was asked to stop, so all stop at the same step.
         per_rank = self._gather_rank_rows(done, step_time)
         self.tokens_seen += int(per_rank[:, COL["tokens"]].sum())
-        record = self._record(done.step, per_rank, self.tokens_seen, done.lr, float(done.grad_norm))
+        record = self._record(done.step, per_rank, self.tokens_seen, done.lr, float(done.scalars[1]))
         # Rank 0's phases; the rest of the step is exposed communication and host gaps.
         record["phase_s"] = dict(done.phases.seconds(), data=done.data_time)
         # The host's side, rank 0: launching the step's work, and waiting for the GPU to finish
@@ -683,8 +689,9 @@ class Trainer:
         # poll could differ, and one rank alone entering the barrier in
         # _saved_in_background would meet the others' next collectives (a hang seen in CI).
         if self.pending_save is not None and per_rank[:, COL["save_done"]].min() > 0:
-            self.pending_save.poll(wait=True)
-            self._saved_in_background()
+            with _host_syncs_allowed():
+                self.pending_save.poll(wait=True)
+                self._saved_in_background()
         return bool(per_rank[:, COL["stop"]].max() > 0)
 
     def _balance_step(self, step: int, per_rank: torch.Tensor, console) -> dict:
@@ -706,7 +713,7 @@ class Trainer:
         gather runs on a gloo group: on the host, so it never queues behind the GPU's work."""
         counted = self.counts_for_metrics
         row = dict.fromkeys(ROW_FIELDS, math.nan)
-        row.update(loss_sum=done.loss_sum.item() if counted else 0.0, tokens=done.tokens if counted else 0,
+        row.update(loss_sum=float(done.scalars[0]) if counted else 0.0, tokens=done.tokens if counted else 0,
                    step_time=step_time, data_time=done.data_time, stop=float(self.stop_requested),
                    compute_s=self.block_timer.step_seconds() if self.block_timer is not None else 0.0,
                    samples=done.samples, **done.memory,
@@ -861,6 +868,15 @@ def _host_syncs_allowed():
             torch.cuda.set_sync_debug_mode(mode)
 
 
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """An asynchronous copy into pinned host memory (a plain tensor on CPU)."""
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
 class _StepClock:
     """The moment a step's work ends: a CUDA event on the compute stream (GPU time, read
     without stopping the host), or the wall clock on CPU."""
@@ -891,8 +907,7 @@ class _StepEnd:
     start: _StepClock  # the previous step's end: the step's time includes any gap before it
     end: _StepClock
     phases: PhaseTimer
-    loss_sum: torch.Tensor
-    grad_norm: torch.Tensor
+    scalars: torch.Tensor  # [summed loss, gradient norm] in (pinned) host memory, valid once `end` is
     lr: float
     tokens: int
     data_time: float
