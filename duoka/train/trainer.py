@@ -545,9 +545,9 @@ class Trainer:
         step = self.start_step - 1
         # A step's figures (loss, grad norm, times) are read one step later, once the GPU is
         # past it: the host then never waits for the GPU between steps and launches the next
-        # step while the last one runs (an idle gap of ~3 ms a step before, 2.5% of a Qwen2-0.5B
-        # step on H200). Load balancing and the debug slowdown read their block timings at
-        # the step's end and keep the synchronous end.
+        # step while the last one runs (the GPU idled ~5 ms a step before: Qwen2-0.5B on
+        # 2 x H200 +6.7%, bench/NOTES.md section 10). Load balancing and the debug slowdown
+        # read their block timings at the step's end and keep the synchronous end.
         deferred = self.block_timer is None and self.balancer.mode == "off"
         pending: _StepEnd | None = None
         last_end = _StepClock(self.device)
@@ -857,7 +857,9 @@ def _no_host_syncs(enabled: bool):
 
 @contextlib.contextmanager
 def _host_syncs_allowed():
-    """A wait the step means to make (the synchronous end of a balanced step)."""
+    """Waits that are meant (debug.check_host_syncs lets them pass): for a step's end event
+    (a deferred step's finishing, a balanced or profiled step's end) and for a background
+    checkpoint save to complete."""
     mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
     if mode:
         torch.cuda.set_sync_debug_mode("default")
