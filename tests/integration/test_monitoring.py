@@ -2,6 +2,7 @@
 HTTP while it trains, and its TensorBoard events are read back with tensorboard's own
 EventAccumulator afterwards."""
 
+import json
 import os
 import subprocess
 import sys
@@ -58,3 +59,12 @@ def test_prometheus_scraped_during_training_and_tensorboard_events(tmp_path):
     losses = events.Scalars("train/loss")
     assert [e.step for e in losses] == list(range(1, steps + 1))
     assert {"train/tokens_per_s", "train/grad_norm", "phase_s/forward", "rank/loss/0"} <= set(events.Tags()["scalars"])
+
+    # Records are written one step late (the deferred step end), yet every step has one, in
+    # order, with the host's side; a step's time runs from the previous step's end, so it
+    # holds at least this step's own launch.
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    for r in records:
+        assert r["host_s"]["launch"] > 0 and r["host_s"]["wait"] >= 0
+        assert r["step_time_s"] >= 0.9 * r["host_s"]["launch"], r
