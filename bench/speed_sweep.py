@@ -5,8 +5,9 @@ as it finishes, stopping before a time budget runs out (a device call has a hard
         --case "qwen2-0.5b ddp+compile 8 peer" --case "qwen2-7b fsdp+compile+fused 4 seq=4096 profile"
 
 A case is `MODEL LAYOUT MICRO_BATCH` and options: `seq=S`, `gb=G` (global batch), `gpus=N`,
-`steps=N`, `peer` (the transformers peer in the same call), `profile` (top kernels; the Chrome traces go to OUT_DIR/<case name>-trace/),
-`set:SECTION.KEY=VALUE` (extra train setting). Results: OUT_DIR/<case name>.json and a
+`steps=N`, `peer` (the transformers peer in the same call), `profile` (top kernels; the
+Chrome traces go to OUT_DIR/<case name>-trace/), `set:SECTION.KEY=VALUE` (extra train
+setting). Results: OUT_DIR/<case name>.json and a
 summary table OUT_DIR/summary.json.
 """
 

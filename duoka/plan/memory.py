@@ -41,7 +41,6 @@ and pp, with and without checkpointing and accumulation): all within 2%
 from __future__ import annotations
 
 import math
-
 from dataclasses import asdict, dataclass, field
 
 from duoka.errors import DuokaError
@@ -180,7 +179,7 @@ def block_params(args: ModelArgs) -> tuple[int, int, int]:
 
 # FSDP2's host work per unit in forward (hooks, all-gather set-up, copy-out, stream waits)
 # took ~1.4 ms on the H200 host: with Qwen2-0.5B's blocks as units (1.6 ms of forward each at
-# micro-batch 8 x 2048) the forward became host-bound and its all-gathers exposed, 74 ms
+# micro-batch 8 x 2048) the forward became host-bound and its all-gathers exposed, 50-74 ms
 # against DDP's 40 (bench/NOTES.md section 9). A unit of at least this many parameter-tokens
 # per micro-batch (~3 ms of compiled forward on an H200) keeps the GPU ahead.
 UNIT_PARAM_TOKENS = 5e11
