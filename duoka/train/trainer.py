@@ -550,25 +550,25 @@ class Trainer:
         # read their block timings at the step's end and keep the synchronous end.
         deferred = self.block_timer is None and self.balancer.mode == "off"
         pending: _StepEnd | None = None
-        last_end = _StepClock(self.device)
+        last_end = _Mark(self.device)
         profiler, last_profiled = None, min(steps, cfg.metrics.profile_step + cfg.metrics.profile_steps - 1)
         for step in range(self.start_step, steps):
             if self.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(self.device)  # peak_mem_gib is this step's peak
             if step + 1 == cfg.metrics.profile_step:
                 profiler = start_profile(self.device)
-            checking = cfg.debug.check_host_syncs and self.device.type == "cuda" and step >= self.start_step + 2
-            with _no_host_syncs(checking):
+            check = "error" if cfg.debug.check_host_syncs and step >= self.start_step + 2 else "default"
+            with _sync_debug(check):
                 t0 = time.perf_counter()
                 host = prefetch.get(step)
-                local_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in host)  # on the host: no GPU sync
                 samples = sum(len(b["tokens"]) for b in host)
                 micro = [{k: t.to(self.device, non_blocking=True) for k, t in b.items()} for b in host]
                 t_data = time.perf_counter() - t0
 
-                # Counted again on the GPU from the copied labels: a tensor made from the host's
-                # count would be a synchronous copy, the host waiting for the previous step.
-                global_tokens = sum((b["labels"] != IGNORE_INDEX).sum() for b in micro).to(torch.float64)
+                # Counted on the GPU from the copied labels: a tensor made from a count on the
+                # host would be a synchronous copy, the host waiting for the previous step.
+                local_tokens = sum((b["labels"] != IGNORE_INDEX).sum() for b in micro).to(torch.float64)
+                global_tokens = local_tokens.clone()
                 dist.all_reduce(global_tokens)  # every tp and pp rank of a replica holds the same tokens
                 global_tokens = (global_tokens / (self.dims.tp * self.dims.pp)).float()
                 phases = PhaseTimer(self.device)
@@ -597,23 +597,23 @@ class Trainer:
                     self.optimizer.zero_grad(set_to_none=True)
                 if self.block_timer is not None:  # debug.slow_ranks: the optimizer's share
                     self.block_timer.slow_optimizer()
-                # The loss and the norm go to host memory behind the step's work, and the step's
-                # end is marked after that copy: reading them later waits for nothing else
-                # (.item() would wait for every kernel queued since, the next step's too).
-                scalars = _to_host(torch.stack([loss_sum.double(), grad_norm.double()]))
-                this = _StepEnd(step + 1, last_end, _StepClock(self.device), phases, scalars, lr,
-                                local_tokens, t_data, samples, self._memory_row(), time.perf_counter() - t0)
+                # The loss, norm and token count go to host memory behind the step's work, and
+                # the step's end is marked after that copy: reading them later waits for nothing
+                # else (.item() would wait for every kernel queued since, the next step's too).
+                scalars = _to_host(torch.stack([loss_sum.double(), grad_norm.double(), local_tokens]))
+                this = _StepEnd(step + 1, last_end, _Mark(self.device), phases, scalars, lr,
+                                t_data, samples, self._memory_row(), time.perf_counter() - t0)
                 last_end = this.end
                 profiled = profiler is not None and step + 1 == last_profiled
                 if not deferred or profiled:
-                    with _host_syncs_allowed():
+                    with _sync_debug("default"):
                         this.end.wait()  # the trace must hold every kernel of the profiled steps
             if profiled:
                 write_profile(profiler, self.run_dir / "profile", self.rank, self.device)
-                last_end = _StepClock(self.device)  # writing the trace is no part of the next step
+                last_end = _Mark(self.device)  # writing the trace is no part of the next step
 
             ready, pending = (pending, this) if deferred else (this, None)
-            with _no_host_syncs(checking):
+            with _sync_debug(check):
                 stop = ready is not None and self._finish_step(ready, console, started, steps)
             interval = cfg.checkpoint.interval
             save_now = interval and (step + 1) % interval == 0 and step + 1 != steps
@@ -633,7 +633,7 @@ class Trainer:
                 return
             if save_now:
                 self.checkpoint(step + 1)
-                last_end = _StepClock(self.device)  # the next step's time leaves the save out
+                last_end = _Mark(self.device)  # the next step's time leaves the save out
         if pending is not None:
             self._finish_step(pending, console, started, steps)  # a stop asked for now ends the run anyway
         if step + 1 > self.start_step or not (self.run_dir / "checkpoints" / f"step-{steps}").exists():
@@ -659,7 +659,7 @@ class Trainer:
         Returns whether a rank was asked to stop (SIGTERM), which every rank then sees."""
         cfg = self.cfg
         t = time.perf_counter()
-        with _host_syncs_allowed():  # the one wait a deferred step end makes
+        with _sync_debug("default"):  # the one wait a deferred step end makes
             step_time = done.end.seconds_since(done.start)
         waited = time.perf_counter() - t
         # One small all-gather per step carries every rank's figures for the metrics line
@@ -689,7 +689,7 @@ class Trainer:
         # poll could differ, and one rank alone entering the barrier in
         # _saved_in_background would meet the others' next collectives (a hang seen in CI).
         if self.pending_save is not None and per_rank[:, COL["save_done"]].min() > 0:
-            with _host_syncs_allowed():
+            with _sync_debug("default"):
                 self.pending_save.poll(wait=True)
                 self._saved_in_background()
         return bool(per_rank[:, COL["stop"]].max() > 0)
@@ -713,7 +713,7 @@ class Trainer:
         gather runs on a gloo group: on the host, so it never queues behind the GPU's work."""
         counted = self.counts_for_metrics
         row = dict.fromkeys(ROW_FIELDS, math.nan)
-        row.update(loss_sum=float(done.scalars[0]) if counted else 0.0, tokens=done.tokens if counted else 0,
+        row.update(loss_sum=float(done.scalars[0]) if counted else 0.0, tokens=float(done.scalars[2]) if counted else 0,
                    step_time=step_time, data_time=done.data_time, stop=float(self.stop_requested),
                    compute_s=self.block_timer.step_seconds() if self.block_timer is not None else 0.0,
                    samples=done.samples, **done.memory,
@@ -843,31 +843,20 @@ class Trainer:
 
 
 @contextlib.contextmanager
-def _no_host_syncs(enabled: bool):
-    """debug.check_host_syncs: raise at an operation that makes the host wait for the GPU."""
-    if not enabled:
+def _sync_debug(mode: str):
+    """PyTorch's sync debug mode for the enclosed code, the previous mode restored after:
+    "error" (debug.check_host_syncs) raises at an operation that makes the host wait for
+    the GPU; "default" lets pass a wait that is meant (a step's end event, a background
+    save's completion). Nothing on a machine without CUDA."""
+    if not torch.cuda.is_available():
         yield
         return
-    torch.cuda.set_sync_debug_mode("error")
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
     try:
         yield
     finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-
-@contextlib.contextmanager
-def _host_syncs_allowed():
-    """Waits that are meant (debug.check_host_syncs lets them pass): for a step's end event
-    (a deferred step's finishing, a balanced or profiled step's end) and for a background
-    checkpoint save to complete."""
-    mode = torch.cuda.get_sync_debug_mode() if torch.cuda.is_available() else 0
-    if mode:
-        torch.cuda.set_sync_debug_mode("default")
-    try:
-        yield
-    finally:
-        if mode:
-            torch.cuda.set_sync_debug_mode(mode)
+        torch.cuda.set_sync_debug_mode(previous)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:
@@ -879,9 +868,9 @@ def _to_host(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
-class _StepClock:
-    """The moment a step's work ends: a CUDA event on the compute stream (GPU time, read
-    without stopping the host), or the wall clock on CPU."""
+class _Mark:
+    """A point in the step's timeline: a CUDA event on the compute stream (GPU time, read
+    later without stopping the host), or the wall clock on CPU."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -895,7 +884,7 @@ class _StepClock:
         if self.cuda:
             self.event.synchronize()
 
-    def seconds_since(self, earlier: _StepClock) -> float:
+    def seconds_since(self, earlier: _Mark) -> float:
         if not self.cuda:
             return self.time - earlier.time
         self.event.synchronize()
@@ -906,12 +895,11 @@ class _StepClock:
 class _StepEnd:
     """What a step leaves for its metrics, read once the GPU has finished it."""
     step: int  # 1-based, as in metrics.jsonl
-    start: _StepClock  # the previous step's end: the step's time includes any gap before it
-    end: _StepClock
+    start: _Mark  # the previous step's end: the step's time includes any gap before it
+    end: _Mark
     phases: PhaseTimer
-    scalars: torch.Tensor  # [summed loss, gradient norm] in (pinned) host memory, valid once `end` is
+    scalars: torch.Tensor  # [summed loss, gradient norm, tokens] in (pinned) host memory, valid once `end` is
     lr: float
-    tokens: int
     data_time: float
     samples: int
     memory: dict
@@ -925,28 +913,20 @@ class PhaseTimer:
     (FSDP2's all-gathers in forward, the last gradient reduction in backward)."""
 
     def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.intervals: list[tuple[str, object, object]] = []
+        self.device = device
+        self.intervals: list[tuple[str, _Mark, _Mark]] = []
 
     @contextlib.contextmanager
     def __call__(self, name: str):
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            with torch.profiler.record_function(f"duoka.{name}"):  # names the phase in a profiled step's trace
-                yield
-            end.record()
-        else:
-            start = time.perf_counter()
+        start = _Mark(self.device)
+        with torch.profiler.record_function(f"duoka.{name}"):  # names the phase in a profiled step's trace
             yield
-            end = time.perf_counter()
-        self.intervals.append((name, start, end))
+        self.intervals.append((name, start, _Mark(self.device)))
 
     def seconds(self) -> dict[str, float]:
         out: dict[str, float] = {}
         for name, start, end in self.intervals:
-            dt = start.elapsed_time(end) / 1000 if self.cuda else end - start
-            out[name] = out.get(name, 0.0) + dt
+            out[name] = out.get(name, 0.0) + end.seconds_since(start)
         return out
 
 
