@@ -86,6 +86,11 @@ class TrainingConfig:
     activation_checkpointing: str = opt("none", "`full` recomputes each decoder block in the backward pass "
                                                 "(less memory, about a third more compute).", choices=("none", "full"))
     compile: bool = opt(False, "torch.compile each decoder block.")
+    float8: str = opt("none", "Train the decoder blocks' linear layers with float8 matmuls (torchao; GPUs of compute "
+                              "capability 8.9 or newer; pair it with compile). tensorwise: one scale per tensor, the "
+                              "fastest, and FSDP2 gathers the weights in float8; rowwise: one scale per row, closer "
+                              "to bf16. Not bit-equal to bf16: compare the loss curve. Not with tp.",
+                      choices=("none", "tensorwise", "rowwise"))
     attention_kernel: str = opt("auto", "Causal attention kernel behind SDPA on GPU: flash, cudnn or efficient; "
                                         "auto: cudnn on Hopper and newer (1.3-1.9x flash's speed there, measured), "
                                         "PyTorch's choice elsewhere. Only the chosen kernel is allowed: a shape it "

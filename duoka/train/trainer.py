@@ -20,6 +20,7 @@ goes to `schedule.step`, which splits it into micro-batches and calls the same l
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -41,7 +42,7 @@ from duoka.errors import DuokaError
 from duoka.models.qwen2.args import ModelArgs
 from duoka.models.qwen2.hf_adapter import load_hf_weights, save_hf_state_dict
 from duoka.models.qwen2.model import build_model
-from duoka.models.qwen2.parallelize import parallelize_qwen2, unwrap
+from duoka.models.qwen2.parallelize import float8_gathers, parallelize_qwen2, precompute_float8_scales, unwrap
 from duoka.monitor.alerts import check as check_alerts
 from duoka.monitor.gpu import GpuSampler, decode_clock_reasons, index_of_uuid, load_nvml
 from duoka.monitor.metrics import MetricsFile, mfu, peak_flops
@@ -53,7 +54,7 @@ from duoka.plan.memory import auto_blocks_per_unit, largest_fitting_micro_batch
 from duoka.train.checkpoint import async_stager, load_checkpoint, save_checkpoint
 from duoka.train.loss import IGNORE_INDEX, compiled_cross_entropy_sum, cross_entropy_sum
 from duoka.train.profiling import start_profile, write_profile
-from duoka.train.optim import build_optimizer, effective_lr, lr_at, plan_batch
+from duoka.train.optim import build_optimizer, clip_to_norm, effective_lr, lr_at, plan_batch
 
 
 @dataclass
@@ -138,6 +139,22 @@ def select_attention_kernel(choice: str, device: torch.device) -> None:
     torch.backends.cuda.enable_math_sdp(False)
 
 
+def check_float8(recipe: str, device: torch.device, tp: int) -> None:
+    """training.float8: refuse what cannot run, before any model is built."""
+    if recipe == "none":
+        return
+    if tp > 1:
+        raise DuokaError(f"training.float8={recipe} is not supported with tensor parallelism (parallel.tp={tp})",
+                         "use parallel.tp=1 (FSDP2 or DDP, with pp if needed), or training.float8=none")
+    if importlib.util.find_spec("torchao") is None:
+        raise DuokaError(f"training.float8={recipe} needs torchao, which is not installed",
+                         "pip install torchao (a version made for this PyTorch), or training.float8=none")
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise DuokaError(f"training.float8={recipe} needs float8 matmuls: compute capability 8.9 or newer (Ada, "
+                         f"Hopper, Blackwell); this GPU has {major}.{minor}", "use training.float8=none")
+
+
 # What each rank contributes to the per-step all-gather (float64; NaN where not measured).
 ROW_FIELDS = ("loss_sum", "tokens", "step_time", "data_time", "stop", "peak_gib", "compute_s", "samples",
               "active_gib", "alloc_retries", "ooms", "gpu_index", "gpu_util", "gpu_mem_used", "gpu_mem_total",
@@ -207,6 +224,8 @@ class Trainer:
 
         self.document_kernel = document_kernel(cfg.data.document_masking_kernel, self.device)
         select_attention_kernel(cfg.training.attention_kernel, self.device)
+        check_float8(cfg.training.float8, self.device, self.dims.tp)
+        self.float8_scales = float8_gathers(cfg.training.float8, self.dims.fsdp)
         self.schedule = None  # the pipeline schedule, built once the micro-batch count is known
         # The chunked head + cross-entropy needs the whole head on the rank: not under tp
         # (the vocabulary-parallel loss also never gathers the logits) nor pp (the schedule
@@ -476,16 +495,14 @@ class Trainer:
         """Clip to a global L2 norm over every parameter of the model, counted once: across
         tp and dp shards (DTensor), across pipeline stages (summed squares over the pp
         group), and the tied embedding once although two stages hold a copy."""
-        if self.dims.pp == 1:
-            norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
-            return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
         grads = [p.grad for p in self._norm_params if p.grad is not None]
         norm = torch.nn.utils.get_total_norm(grads, foreach=True)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        squared = norm.float() ** 2
-        dist.all_reduce(squared, group=self.mesh["pp"].get_group())
-        norm = squared.sqrt()
-        torch.nn.utils.clip_grads_with_norm_(self.params, max_norm, norm, foreach=True)
+        if self.dims.pp > 1:
+            squared = norm.float() ** 2
+            dist.all_reduce(squared, group=self.mesh["pp"].get_group())
+            norm = squared.sqrt()
+        clip_to_norm(self.optimizer, self.params, norm, max_norm)
         return norm
 
     def train(self) -> None:
@@ -595,6 +612,8 @@ class Trainer:
                         group["lr"] = lr
                     self.optimizer.step()
                     self.optimizer.zero_grad(set_to_none=True)
+                    if self.float8_scales:
+                        precompute_float8_scales(self.model)
                 if self.block_timer is not None:  # debug.slow_ranks: the optimizer's share
                     self.block_timer.slow_optimizer()
                 # The loss, norm and token count go to host memory behind the step's work, and
@@ -966,7 +985,9 @@ class _Console:
         b = t.batch
         self.out.print(
             f"[bold]duoka train[/] {t.args.num_params() / 1e6:.1f}M parameters | {t.dims.describe()} on "
-            f"{t.world} x {t.device.type} | {str(t.compute_dtype).removeprefix('torch.')} | global batch "
+            f"{t.world} x {t.device.type} | {str(t.compute_dtype).removeprefix('torch.')}"
+            + (f" + float8 {t.cfg.training.float8} matmuls" if t.cfg.training.float8 != "none" else "")
+            + " | global batch "
             f"{b.global_batch} = micro-batch {b.micro_batch} x accumulation {b.accumulation} x dp {b.dp_size} | "
             f"seq {t.cfg.training.seq_len} | peak lr {t.peak_lr:.3g}"
             + (" | fused chunked loss" if t.fused_loss else

@@ -7,7 +7,7 @@ from duoka.config import OptimizerConfig
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import FLAVORS
 from duoka.models.qwen2.model import build_model, materialize
-from duoka.train.optim import build_optimizer, effective_lr, lr_at, plan_batch
+from duoka.train.optim import build_optimizer, clip_to_norm, effective_lr, lr_at, plan_batch
 
 
 def test_batch_arithmetic():
@@ -64,3 +64,26 @@ def test_weight_decay_only_on_matrices():
     assert not any(p is model.output.weight for p in plain["params"])
     assert any(p is model.tok_embeddings.weight for p in decayed["params"])
     assert torch.optim.AdamW is type(opt)
+
+
+def test_clip_folded_into_fused_adamw_equals_a_clip_then_adamw():
+    """The GPU path hands the clip to fused AdamW as its grad_scale divisor; it must step as
+    clip_grads_with_norm_ followed by AdamW does (fused AdamW runs on CPU too)."""
+    torch.manual_seed(0)
+    grads = [torch.randn(64, 32) * 10, torch.randn(32) * 10]  # norm ~ 460: the clip to 1 acts
+    runs = {}
+    for name, fused, max_norm in [("folded", True, 1.0), ("plain", False, 1.0), ("unclipped", False, math.inf)]:
+        torch.manual_seed(1)
+        params = [torch.nn.Parameter(torch.randn(64, 32)), torch.nn.Parameter(torch.randn(32))]
+        opt = torch.optim.AdamW(params, lr=1e-2, eps=1e-3, fused=fused, foreach=None if fused else True)
+        for step in range(3):
+            for p, g in zip(params, grads):
+                p.grad = g * (step + 1)
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            clip_to_norm(opt, params, norm, max_norm)
+            opt.step()
+            opt.zero_grad()
+        runs[name] = torch.cat([p.detach().flatten() for p in params])
+    torch.testing.assert_close(runs["folded"], runs["plain"], rtol=0, atol=1e-6)
+    # The eps makes the update depend on the gradient's scale, so the clip shows.
+    assert (runs["plain"] - runs["unclipped"]).abs().max() > 1e-4

@@ -1,11 +1,13 @@
 """Apply the parallel layout to a meta-built Qwen2 (or one pipeline stage of it), in
-torchtitan's order: tensor parallel plan -> activation checkpointing -> compile -> FSDP2
+torchtitan's order: float8 -> tensor parallel plan -> activation checkpointing -> compile -> FSDP2
 (per block, then the root) or DDP.
 
 The model itself stays a plain module; everything distributed happens here.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
@@ -69,6 +71,38 @@ def apply_tensor_parallel(model: Qwen2, tp_mesh: DeviceMesh) -> None:
     model.tie_weights()
 
 
+def convert_to_float8(model: Qwen2, recipe: str, fsdp: bool) -> None:
+    """training.float8: swap the decoder blocks' linear layers for torchao's Float8Linear
+    (float8 matmuls in forward and backward, dynamic scales; the weights stay in their
+    dtype and keep their names, so checkpoints and exports do not change). The head stays
+    in bf16 (torchtitan's default too): the fused loss multiplies by its weight directly,
+    without calling the module, so converting it would change only the unfused loss. With tensorwise scaling under FSDP2 the weights are cast to
+    float8 before the all-gather, which halves its bytes; their scales are then computed
+    for all weights at once after each optimizer step (see precompute_float8_scales)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if float8_gathers(recipe, fsdp):
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    # torchao's float8 matmul needs both dimensions to be multiples of 16 (every Qwen2 shape is).
+    convert_to_float8_training(model, config=config,
+                               module_filter_fn=lambda module, fqn: fqn.startswith("layers.")
+                               and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+
+def float8_gathers(recipe: str, fsdp: bool) -> bool:
+    """Whether FSDP2 all-gathers the float8 weights (torchao supports it for tensorwise scales)."""
+    return fsdp and recipe == "tensorwise"
+
+
+def precompute_float8_scales(model: nn.Module) -> None:
+    """After an optimizer step: every float8-gathered weight's scale from one fused amax
+    and one all-reduce, instead of one all-reduce per weight inside the next all-gather."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
+
+
 def parallelize_qwen2(model: Qwen2, dims: ParallelDims, mesh: DeviceMesh, cfg: Config, compute_dtype: torch.dtype,
                       block_timer: BlockTimer | None = None):
     """Returns the module to train (the model itself, sharded in place, or a DDP wrapper).
@@ -76,6 +110,8 @@ def parallelize_qwen2(model: Qwen2, dims: ParallelDims, mesh: DeviceMesh, cfg: C
     Called on the meta device for FSDP (sharding happens before any memory is taken);
     DDP needs real storage, so the caller materialises first for ddp. block_timer (load
     balancing, debug slowdown) goes around every block's forward."""
+    if cfg.training.float8 != "none":  # the trainer refused tp > 1 (check_float8)
+        convert_to_float8(model, cfg.training.float8, dims.fsdp)
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
     if cfg.training.activation_checkpointing == "full":
