@@ -145,13 +145,14 @@ def launch_training(
     from duoka.parallel.dims import ParallelDims
     from duoka.train.checkpoint import find_resume_checkpoint, read_train_state
     from duoka.train.optim import plan_batch
-    from duoka.train.trainer import WorkerSpec
+    from duoka.train.trainer import WorkerSpec, check_float8
 
     # Everything a worker would otherwise discover late.
     args, model_dir, tokenizer_dir = resolve_model(cfg)
     dims = ParallelDims.from_config(cfg.parallel, world)
     dims.check_model(args.n_heads, args.n_kv_heads, args.n_layers, cfg.parallel.pp_stages_per_rank)
     check_balance_config(cfg.parallel, cfg.debug, dims.model_parallel, dims.tp, dims.pp, dims.dp_size, world)
+    check_float8(cfg.training.float8, dims.tp)
     if dims.pp > 1 and cfg.parallel.pp_layers != "measured":
         from duoka.models.qwen2.pipeline import layer_counts
 

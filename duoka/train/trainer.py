@@ -139,8 +139,9 @@ def select_attention_kernel(choice: str, device: torch.device) -> None:
     torch.backends.cuda.enable_math_sdp(False)
 
 
-def check_float8(recipe: str, device: torch.device, tp: int) -> None:
-    """training.float8: refuse what cannot run, before any model is built."""
+def check_float8(recipe: str, tp: int, device: torch.device | None = None) -> None:
+    """training.float8: refuse what cannot run. The launcher asks without a device (before
+    any worker starts), each worker again with its GPU."""
     if recipe == "none":
         return
     if tp > 1:
@@ -149,7 +150,7 @@ def check_float8(recipe: str, device: torch.device, tp: int) -> None:
     if importlib.util.find_spec("torchao") is None:
         raise DuokaError(f"training.float8={recipe} needs torchao, which is not installed",
                          "pip install torchao (a version made for this PyTorch), or training.float8=none")
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+    if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         major, minor = torch.cuda.get_device_capability(device)
         raise DuokaError(f"training.float8={recipe} needs float8 matmuls: compute capability 8.9 or newer (Ada, "
                          f"Hopper, Blackwell); this GPU has {major}.{minor}", "use training.float8=none")
@@ -224,7 +225,7 @@ class Trainer:
 
         self.document_kernel = document_kernel(cfg.data.document_masking_kernel, self.device)
         select_attention_kernel(cfg.training.attention_kernel, self.device)
-        check_float8(cfg.training.float8, self.device, self.dims.tp)
+        check_float8(cfg.training.float8, self.dims.tp, self.device)
         self.float8_scales = float8_gathers(cfg.training.float8, self.dims.fsdp)
         self.schedule = None  # the pipeline schedule, built once the micro-batch count is known
         # The chunked head + cross-entropy needs the whole head on the rank: not under tp

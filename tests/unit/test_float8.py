@@ -48,11 +48,11 @@ def test_float8_loss_is_near_the_plain_loss(recipe):
 
 
 def test_float8_refusals(monkeypatch):
-    check_float8("none", torch.device("cpu"), tp=2)  # off: nothing to refuse
+    check_float8("none", tp=2)  # off: nothing to refuse
     with pytest.raises(DuokaError, match="tensor parallelism") as e:
-        check_float8("tensorwise", torch.device("cpu"), tp=2)
+        check_float8("tensorwise", tp=2)
     assert "parallel.tp=1" in e.value.fix
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(DuokaError, match="needs torchao") as e:
-        check_float8("rowwise", torch.device("cpu"), tp=1)
+        check_float8("rowwise", tp=1, device=torch.device("cpu"))
     assert "pip install torchao" in e.value.fix
