@@ -364,3 +364,12 @@ def test_small_blocks_are_grouped_into_fsdp_units_only_without_resharding():
     # Never more blocks than the model has.
     assert auto_blocks_per_unit(FLAVORS["debug"], 1, 64, tp=1, reshard_after_forward=False) == \
         FLAVORS["debug"].n_layers
+
+
+def test_plan_names_the_speed_switches_it_does_not_model():
+    def switches(flavor):
+        plan = make_plan(resolve_model(flavor), hw(2, 141))
+        return next(n for n in plan.notes if n.startswith("speed switches"))
+
+    assert "training.compile=true" in switches("qwen2-0.5b") and "float8" not in switches("qwen2-0.5b")
+    assert "training.float8=tensorwise" in switches("qwen2-7b")  # measured slower at 0.5B, faster from 1.5B
