@@ -76,9 +76,10 @@ def convert_to_float8(model: Qwen2, recipe: str, fsdp: bool) -> None:
     (float8 matmuls in forward and backward, dynamic scales; the weights stay in their
     dtype and keep their names, so checkpoints and exports do not change). The head stays
     in bf16 (torchtitan's default too): the fused loss multiplies by its weight directly,
-    without calling the module, so converting it would change only the unfused loss. With tensorwise scaling under FSDP2 the weights are cast to
-    float8 before the all-gather, which halves its bytes; their scales are then computed
-    for all weights at once after each optimizer step (see precompute_float8_scales)."""
+    without calling the module, so converting it would change only the unfused loss.
+    With tensorwise scaling under FSDP2 the weights are cast to float8 before the
+    all-gather, which halves its bytes; their scales are then computed for all weights at
+    once after each optimizer step (see precompute_float8_scales)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(recipe)
