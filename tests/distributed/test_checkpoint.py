@@ -56,6 +56,20 @@ def test_resume_is_exact_and_reshards(tmp_path):
     # tests/distributed/test_model_parallel.py (tp=2 -> FSDP2, FSDP2 -> tp2 x pp2).
 
 
+def test_float8_resume_is_exact(tmp_path):
+    """float8 under FSDP2 gathers weights wrapped in torchao's tensor subclass; the
+    checkpoint must still save and restore them (and the run continue bit for bit)."""
+    layout = ["--nproc-per-node=2", "--parallel.dp_mode=fsdp", "--training.float8=tensorwise", *COMMON]
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    duoka("train", f"--job.output_dir={straight}", "--training.steps=8", *layout)
+    duoka("train", f"--job.output_dir={resumed}", "--training.steps=4", *layout)
+    proc = duoka("train", f"--job.output_dir={resumed}", "--training.steps=8", "--checkpoint.resume=auto", *layout)
+    assert "resumed at step 4" in proc.stderr and "float8 tensorwise" in proc.stderr
+    assert [r["loss"] for r in records(straight)] == [r["loss"] for r in records(resumed)]
+    wa, wb = final_weights(straight), final_weights(resumed)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def test_async_keep_last_k_and_export_round_trip(tmp_path):
     from transformers import Qwen2ForCausalLM
 
