@@ -111,9 +111,11 @@ def float8_reference(tmp_path_factory):
 
 def test_float8_is_near_full_precision(reference, float8_reference):
     a, b = records(float8_reference), records(reference)
-    assert any(x["loss"] != y["loss"] for x, y in zip(a, b))  # the float8 matmuls ran
-    for x, y in zip(a, b):
-        assert abs(x["loss"] - y["loss"]) <= 1e-3 * y["loss"], (a, b)
+    gaps = [abs(x["loss"] - y["loss"]) / y["loss"] for x, y in zip(a, b)]
+    # The float8 matmuls ran: fp32 alone, split into other micro-batches, differs by ~1e-7;
+    # float8 by ~4e-5 from the first step.
+    assert max(gaps) >= 1e-5, gaps
+    assert max(gaps) <= 1e-3, gaps
 
 
 def test_float8_ddp_matches_one_process(float8_reference, tmp_path):
