@@ -56,3 +56,12 @@ def test_float8_refusals(monkeypatch):
     with pytest.raises(DuokaError, match="needs torchao") as e:
         check_float8("rowwise", tp=1, device=torch.device("cpu"))
     assert "pip install torchao" in e.value.fix
+
+
+def test_a_shape_float8_cannot_run_is_refused_not_half_converted():
+    import dataclasses
+
+    odd = dataclasses.replace(FLAVORS["debug"], intermediate_size=200)  # not a multiple of 16
+    with pytest.raises(DuokaError, match=r"multiples of 16.*feed_forward\.w1 \(128 x 200\)") as e:
+        convert_to_float8(build_model(odd), "tensorwise", fsdp=False)
+    assert "training.float8=none" in e.value.fix

@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel
 
 from duoka.config import Config
+from duoka.errors import DuokaError
 from duoka.models.qwen2.model import Qwen2
 from duoka.parallel.balance import BlockTimer
 from duoka.parallel.dims import ParallelDims
@@ -82,13 +83,17 @@ def convert_to_float8(model: Qwen2, recipe: str, fsdp: bool) -> None:
     once after each optimizer step (see precompute_float8_scales)."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
+    # torchao's float8 matmul needs both dimensions to be multiples of 16. Every Qwen2 shape
+    # has them; a checkpoint that does not is refused, not trained half in float8.
+    odd = [f"layers.{name} ({m.in_features} x {m.out_features})" for name, m in model.layers.named_modules()
+           if isinstance(m, nn.Linear) and (m.in_features % 16 or m.out_features % 16)]
+    if odd:
+        raise DuokaError(f"training.float8={recipe} needs linear layers whose sizes are multiples of 16; "
+                         f"{len(odd)} are not, e.g. {odd[0]}", "use training.float8=none for this model")
     config = Float8LinearConfig.from_recipe_name(recipe)
     if float8_gathers(recipe, fsdp):
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
-    # torchao's float8 matmul needs both dimensions to be multiples of 16 (every Qwen2 shape is).
-    convert_to_float8_training(model, config=config,
-                               module_filter_fn=lambda module, fqn: fqn.startswith("layers.")
-                               and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn.startswith("layers."))
 
 
 def float8_gathers(recipe: str, fsdp: bool) -> bool:
