@@ -7,7 +7,8 @@ tokens at 4096 and 8192), for each Qwen2 shape's heads (query heads, KV heads, h
 through each way duoka can run it: SDPA restricted to one backend at a time (flash, cuDNN,
 memory-efficient; GQA through enable_gqa, or with repeated KV heads where a backend refuses
 it), flex attention (compiled) and flash varlen with one document per row. Each output is
-compared with the flash result, output and the gradients of q, k and v. Times are CUDA-event medians of 10 runs after 3 warm-up runs.
+compared with the flash result (cuDNN's with --fa4), output and the gradients of
+q, k and v. Times are CUDA-event medians of 10 runs after 3 warm-up runs.
 """
 
 from __future__ import annotations
@@ -45,10 +46,20 @@ def timed(fn, q, k, v, runs=10, warmup=3) -> float:
     return statistics.median(times)
 
 
+def fa4(q, k, v):
+    """FlashAttention-4 on [batch, heads, seq, dim] views (it takes [batch, seq, heads, dim])."""
+    from flash_attn.cute import flash_attn_func
+
+    out = flash_attn_func(*(t.transpose(1, 2) for t in (q, k, v)), causal=True)
+    return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--fa4", action="store_true",
+                    help="compare FlashAttention-4 (the flash-attn-4 package, called directly) with cuDNN only")
     args = ap.parse_args()
     torch._dynamo.config.recompile_limit = 64  # flex is specialised per shape: 9 shapes x grad modes
     flex = torch.compile(flex_attention, dynamic=False)
@@ -78,7 +89,11 @@ def main() -> None:
 
             block = create_block_mask(lambda b_, h_, i, j: i >= j, None, None, seq, seq, device="cuda")
             cu = torch.arange(0, b * seq + 1, seq, device="cuda", dtype=torch.int32)
-            candidates = {"flash": sdpa("flash", False), "cudnn": sdpa("cudnn", False),
+            if args.fa4:  # cuDNN first: it is the reference for the differences then
+                candidates = {"cudnn": sdpa("cudnn", False), "fa4": fa4}
+            else:
+                candidates = None
+            candidates = candidates or {"flash": sdpa("flash", False), "cudnn": sdpa("cudnn", False),
                           "cudnn_repeat_kv": sdpa("cudnn", True), "efficient_repeat_kv": sdpa("efficient", True),
                           "flex": lambda q, k, v: flex(q, k, v, block_mask=block, enable_gqa=True),
                           "varlen": lambda q, k, v: _varlen_attention(q, k, v, Varlen(cu, seq)).transpose(1, 2)}

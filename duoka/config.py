@@ -97,6 +97,9 @@ class TrainingConfig:
                                         "cannot run is an error, not a silent fallback. See "
                                         "bench/results/attention_kernels.md.",
                                 choices=("auto", "flash", "cudnn", "efficient"))
+    fuse_qkv: bool = opt(True, "Compute the query, key and value projections as one matmul over their "
+                               "concatenated weights (the parameters stay separate). Exact; not under tp or "
+                               "float8, which keep one matmul per projection. See bench/NOTES.md section 15.")
     fused_loss: bool = opt(False, "Compute the output head and the cross-entropy together, chunk by chunk, never "
                                   "holding the logits of more than 4096 tokens (saves ~1.5 MB per token with Qwen2's "
                                   "152k vocabulary). Not under tp (its loss is vocabulary-parallel) or pp.")

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor.parallel import loss_parallel
+from torch.nn.attention import SDPBackend
 
 from duoka.config import Config
 from duoka.data.dataset import PackedWindows, Prefetcher, RandomTokens, share_batches, step_inputs
@@ -119,16 +120,25 @@ def document_kernel(choice: str, device: torch.device) -> str:
     return choice
 
 
-def select_attention_kernel(choice: str, device: torch.device) -> None:
-    """training.attention_kernel: restrict SDPA to one GPU kernel for this process (the
-    switches are read when a block is compiled too). The math fallback goes off with the
-    others, so a shape the kernel cannot run fails loudly instead of running slowly.
+SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION}
+
+
+def select_attention_kernel(choice: str, device: torch.device) -> SDPBackend | None:
+    """training.attention_kernel: the one SDPA kernel this process's causal attention may
+    use (None: PyTorch's own order). Only that kernel is allowed, the math fallback
+    included, so a shape it cannot run fails loudly instead of running slowly.
     auto: cuDNN's attention on compute capability 9.0+, where it ran causal attention for
     every Qwen2 shape 1.3-1.9x faster than flash, gradients within bf16 rounding
-    (bench/results/attention_kernels.md); elsewhere PyTorch's own order."""
+    (bench/results/attention_kernels.md); elsewhere PyTorch's own order.
+
+    The model applies the choice itself, inside its forward (Attention.sdpa_backend):
+    the process-wide switches alone are not part of torch.compile's cache key, so a
+    compiled block cached under another choice ran that choice's kernel (seen on H200,
+    bench/NOTES.md section 16). The switches are set too, for any other SDPA call."""
     if choice == "auto":
         if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
-            return
+            return None
         choice = "cudnn"
     if device.type != "cuda":
         raise DuokaError(f"training.attention_kernel={choice} selects a GPU kernel and this run is on CPU",
@@ -137,6 +147,7 @@ def select_attention_kernel(choice: str, device: torch.device) -> None:
     torch.backends.cuda.enable_cudnn_sdp(choice == "cudnn")
     torch.backends.cuda.enable_mem_efficient_sdp(choice == "efficient")
     torch.backends.cuda.enable_math_sdp(False)
+    return SDPA_BACKENDS[choice]
 
 
 def check_float8(recipe: str, tp: int, device: torch.device | None = None) -> None:
@@ -224,7 +235,7 @@ class Trainer:
         self.compute_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
 
         self.document_kernel = document_kernel(cfg.data.document_masking_kernel, self.device)
-        select_attention_kernel(cfg.training.attention_kernel, self.device)
+        self.sdpa_backend = select_attention_kernel(cfg.training.attention_kernel, self.device)
         check_float8(cfg.training.float8, self.dims.tp, self.device)
         self.float8_scales = float8_gathers(cfg.training.float8, self.dims.fsdp)
         self.schedule = None  # the pipeline schedule, built once the micro-batch count is known
@@ -324,6 +335,7 @@ class Trainer:
         cfg = self.cfg
         model = build_model(self.args)  # meta: no memory yet
         model.attention_backend = self.document_kernel
+        model.set_sdpa_backend(self.sdpa_backend)
         if self.dims.fsdp:
             model = parallelize_qwen2(model, self.dims, self.mesh, cfg, self.compute_dtype, self.block_timer)
             model.to_empty(device=self.device)  # each rank allocates only its shards
@@ -352,6 +364,7 @@ class Trainer:
         for sid in self.stage_ids:
             part = build_stage_model(self.args, sid, self.stage_counts)
             part.attention_backend = self.document_kernel
+            part.set_sdpa_backend(self.sdpa_backend)
             part = parallelize_qwen2(part, dims, self.mesh, cfg, self.compute_dtype, self.block_timer)
             part.to_empty(device=self.device)
             self._fill(part)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from duoka.models.qwen2.args import ModelArgs
@@ -184,6 +185,27 @@ def _varlen_attention(q, k, v, mask: Varlen) -> torch.Tensor:
     return out.view(bsz, seq, n_heads, head_dim)
 
 
+def fusable(*linears: nn.Module) -> bool:
+    """Whether these linear layers, which read the same input, can run as one matmul: plain
+    nn.Linear on plain tensors. Under tensor parallelism the weights are DTensor shards (a
+    concatenation along the sharded dimension would need communication) and float8 layers
+    run their own matmuls, so both keep one matmul per layer."""
+    return all(type(layer) is nn.Linear and not isinstance(layer.weight, DTensor) for layer in linears)
+
+
+def fused_linear(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
+    """The outputs of several nn.Linear layers on the same input from one matmul over their
+    concatenated weights. The parameters stay separate (checkpoints, TP plans and FSDP2
+    units see the usual layout); only the product is shared. It pays where a layer is
+    narrow: Qwen2's key and value projections have 2-4 KV heads (256 outputs at 1.5B),
+    too few columns to fill an H200 alone, in the forward and in both backward products
+    (bench/NOTES.md section 15). Each output column is the same dot product as before.
+    The outputs are views of one buffer."""
+    weight = torch.cat([layer.weight for layer in linears])
+    bias = None if linears[0].bias is None else torch.cat([layer.bias for layer in linears])
+    return F.linear(x, weight, bias).split([layer.weight.shape[0] for layer in linears], dim=-1)
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -194,19 +216,34 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=True)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=True)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        self.fuse_qkv = True  # q, k and v from one matmul where fusable(); see fused_linear
+        # The one SDPA kernel for causal attention (None: PyTorch's choice). Set inside the
+        # forward, so torch.compile records it in the graph (see Qwen2.set_sdpa_backend).
+        self.sdpa_backend: SDPBackend | None = None
 
     def forward(self, x, cos, sin, cache: KVCache | None = None, layer: str = "", input_pos=None, mask=None):
         bsz, seqlen, _ = x.shape
         # -1 instead of the head count keeps this module correct when tensor parallelism
         # has sharded the projections and each rank holds only its share of the heads.
-        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        if self.fuse_qkv and fusable(self.wq, self.wk, self.wv):
+            q, k, v = fused_linear(x, self.wq, self.wk, self.wv)
+            # Attention keeps v for its backward; as a view it would keep the whole q/k/v
+            # buffer alive (1.5 GiB more at 1.5B, micro-batch 8). q and k are replaced by
+            # their rotated copies below.
+            v = v.contiguous()
+        else:
+            q, k, v = self.wq(x), self.wk(x), self.wv(x)
+        q = q.view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        k = k.view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        v = v.view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = q.shape[1] != k.shape[1]
         if cache is not None:
             k, v = cache.update(layer, input_pos, k, v)
-        if mask is None:  # plain causal attention: the fused kernels' fast path
+        if mask is None and self.sdpa_backend is not None:  # plain causal attention, one chosen kernel
+            with sdpa_kernel(self.sdpa_backend):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif mask is None:  # plain causal attention: the fused kernels' fast path
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         elif isinstance(mask, BlockMask):
             out = _flex(q)(q, k, v, block_mask=mask, enable_gqa=gqa)
@@ -227,6 +264,8 @@ class FeedForward(nn.Module):
         self.w2 = nn.Linear(hidden, dim, bias=False)
 
     def forward(self, x):
+        # Gate and up are wide enough to fill the GPU alone: one matmul over both was
+        # slower (bench/NOTES.md section 15).
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -263,6 +302,15 @@ class Qwen2(nn.Module):
         operation that replaces parameters (to_empty, load_state_dict(assign=True))."""
         if self.args.tie_word_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
+
+    def set_sdpa_backend(self, backend: SDPBackend | None) -> None:
+        """Restrict causal attention to one SDPA kernel (training.attention_kernel). It is
+        applied with sdpa_kernel() inside each Attention forward rather than through the
+        process-wide switches alone, because torch.compile bakes a context manager's
+        backend into the traced graph, and so into its cache key, but not the switches."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.sdpa_backend = backend
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0):

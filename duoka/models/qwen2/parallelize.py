@@ -116,6 +116,8 @@ def parallelize_qwen2(model: Qwen2, dims: ParallelDims, mesh: DeviceMesh, cfg: C
     Called on the meta device for FSDP (sharding happens before any memory is taken);
     DDP needs real storage, so the caller materialises first for ddp. block_timer (load
     balancing, debug slowdown) goes around every block's forward."""
+    for block in model.layers.values():
+        block.attention.fuse_qkv = cfg.training.fuse_qkv
     if cfg.training.float8 != "none":  # the trainer refused tp > 1 (check_float8)
         convert_to_float8(model, cfg.training.float8, dims.fsdp)
     if dims.tp > 1:
