@@ -7,7 +7,8 @@ and tokenized; a token is a target when its characters lie in an assistant turn:
 spans come from the template's `{% generation %}` blocks where it has them, otherwise
 from rendering the conversation up to each assistant turn (ChatML templates such as
 Qwen2's render every prefix as a prefix of the whole). Conversations longer than a
-window are truncated or dropped (`data.sft_overlong`), with counts reported. Whole
+window are truncated or dropped (`data.sft_overlong`), and one with no assistant token
+left in its window (none at all, or cut off) is skipped, with counts reported. Whole
 conversations are packed first-fit into windows of seq_len + 1 tokens, each followed by
 an end-of-text token that is never a target, padding with end-of-text at the end; with
 `data.document_masking` no conversation attends to another.
@@ -32,6 +33,7 @@ class SFTStats:
     conversations: int = 0
     truncated: int = 0
     dropped: int = 0
+    no_target: int = 0  # conversations with no assistant token in their first seq_len + 1 tokens
     windows: int = 0
     target_tokens: int = 0
 
@@ -79,7 +81,8 @@ def prepare_sft(path: Path, tokenizer, seq_len: int, field: str = "messages", ov
     if not files:
         raise DuokaError(f"data.path {path} has no .jsonl files for data.mode=sft", "give JSONL conversations")
     eot = end_of_text_id(tokenizer)
-    stem = _cache_dir() / f"sft-{cache_key(files, tokenizer.fingerprint, field, seq_len, overlong)}"
+    # "v2": windows no longer hold conversations without targets (older caches are rebuilt).
+    stem = _cache_dir() / f"sft-{cache_key(files, tokenizer.fingerprint, field, seq_len, overlong, 'v2')}"
     tokens_path, mask_path, stats_path = (stem.with_suffix(s) for s in (".tokens.npy", ".mask.npy", ".json"))
     if tokens_path.is_file() and mask_path.is_file() and stats_path.is_file():
         return tokens_path, SFTStats(**json.loads(stats_path.read_text()))
@@ -98,6 +101,12 @@ def prepare_sft(path: Path, tokenizer, seq_len: int, field: str = "messages", ov
                     continue
                 stats.truncated += 1
                 ids, keep = ids[:width], keep[:width]
+            if not any(keep):
+                # Nothing to learn from (no assistant turn, or one cut off by the window):
+                # skipped, since a window of such conversations alone would make a step
+                # whose loss divides by zero target tokens.
+                stats.no_target += 1
+                continue
             for w in windows:
                 if len(w[0]) + len(ids) <= width:
                     w[0].extend(ids)
@@ -106,8 +115,9 @@ def prepare_sft(path: Path, tokenizer, seq_len: int, field: str = "messages", ov
             else:
                 windows.append((list(ids), list(keep)))
     if not windows:
-        raise DuokaError(f"no conversation of {path} was kept ({stats.dropped} dropped as longer than "
-                         f"{width} tokens)", "raise training.seq_len or set data.sft_overlong=truncate")
+        raise DuokaError(f"no conversation of {path} was kept ({stats.dropped} dropped as longer than {width} "
+                         f"tokens, {stats.no_target} without an assistant token in their first {width})",
+                         "raise training.seq_len, or set data.sft_overlong=truncate if conversations were dropped")
     tokens = np.full((len(windows), width), eot, dtype=np.int32)
     mask = np.zeros((len(windows), width), dtype=np.uint8)
     for i, (ids, keep) in enumerate(windows):

@@ -191,7 +191,8 @@ def launch_training(
             token_file = str(token_path)
             log(f"duoka: sft data {data_path}: {stats.conversations:,} conversations -> {stats.windows:,} windows, "
                 f"{stats.target_tokens:,} target tokens; {stats.truncated} truncated, {stats.dropped} dropped "
-                f"(longer than {cfg.training.seq_len + 1} tokens) ({time.perf_counter() - t:.1f} s)")
+                f"(longer than {cfg.training.seq_len + 1} tokens), {stats.no_target} skipped (no assistant token "
+                f"within that length) ({time.perf_counter() - t:.1f} s)")
         else:
             data_path = Path(cfg.data.path) if cfg.data.path else bundled_corpus()
             if is_prepared(data_path):

@@ -53,7 +53,9 @@ def test_packing_truncation_and_drop(tokenizer_dir, tmp_path):
     path.write_text("\n".join(json.dumps({"messages": m}) for m in [CONV, CONV, long_conv, CONV]) + "\n")
     seq = 192
     tokens, stats = prepare_sft(path, tok, seq, overlong="truncate")
-    assert (stats.conversations, stats.truncated, stats.dropped) == (4, 1, 0)
+    # The long conversation's only assistant turn lies beyond the window: truncated, then
+    # skipped, as it has no target left (a window of such alone would divide by zero).
+    assert (stats.conversations, stats.truncated, stats.dropped, stats.no_target) == (4, 1, 0, 1)
     data = SFTWindows(tokens)
     n_conv_tokens = len(encode_conversation(tok, CONV)[0]) + 1
     assert n_conv_tokens < seq + 1 < 3 * n_conv_tokens  # fits alone; three need two windows
@@ -67,6 +69,7 @@ def test_packing_truncation_and_drop(tokenizer_dir, tmp_path):
     inputs, labels = split_batch(batch, -100)
     assert inputs.shape == labels.shape == (len(data), seq)
     assert int((labels != -100).sum()) == stats.target_tokens
+    assert bool((labels != -100).any(dim=1).all())  # every window has targets
     assert not bool((labels == eot).any())  # separators and padding are never targets
 
 
