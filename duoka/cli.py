@@ -468,10 +468,16 @@ def run() -> None:
     """The `duoka` command: main(), then a quick exit. Once main() has returned nothing is
     left to do but the interpreter's teardown of torch's modules, 1-2 s on 2 CPU cores for
     every command (import torch and exit: 2.5 s; with os._exit: 1.8 s). What a normal exit
-    does first still happens: other non-daemon threads are waited for, the exit handlers run
+    does first still happens: thread pools are told to finish and other non-daemon threads
+    are waited for, the exit handlers run
     (temporary directories, logging, the worker server's end) and the output is flushed;
     only the teardown is skipped. An exception leaves the normal way, traceback and all."""
     code = main()
+    # As the interpreter's own shutdown does first: the hooks that tell thread pools to
+    # finish (concurrent.futures registers them; torch.compile's compile pool is one). Without
+    # them the join below waited forever on a pool's idle workers after a first compile.
+    for hook in reversed(getattr(threading, "_threading_atexits", [])):
+        hook()
     for thread in threading.enumerate():
         if thread is not threading.main_thread() and not thread.daemon:
             thread.join()

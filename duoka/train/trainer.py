@@ -25,6 +25,7 @@ import json
 import math
 import os
 import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -75,6 +76,9 @@ class WorkerSpec:
 def worker_main(spec: WorkerSpec) -> None:
     """Entry point of each worker process (started by the elastic launcher or in process)."""
     rank = int(os.environ.get("RANK", 0))
+    # The trainer turns SIGTERM into "save and stop"; once it is done, SIGTERM must end the
+    # process again (a one-process run trains inside the `duoka train` process itself).
+    sigterm = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
     try:
         trainer = Trainer(spec)
         trainer.train()
@@ -100,6 +104,8 @@ def worker_main(spec: WorkerSpec) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        if sigterm is not None:
+            signal.signal(signal.SIGTERM, sigterm)
 
 
 def _report_error(run_dir: str, rank: int, cause: str, fix: str | None) -> None:
