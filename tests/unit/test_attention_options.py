@@ -83,3 +83,45 @@ def test_the_chosen_sdpa_kernel_is_applied_inside_the_forward():
         model.set_sdpa_backend(SDPBackend.EFFICIENT_ATTENTION)
         with pytest.raises(RuntimeError, match="No viable backend"):
             model(tokens)
+
+
+def test_flash_varlen_runs_in_the_autocast_dtype(monkeypatch):
+    """Under DDP's autocast q and k leave the rotary embedding in fp32; flash varlen only
+    takes fp16/bf16, so duoka casts as autocast does for SDPA (found on an H200)."""
+    import torch.nn.attention.varlen as varlen_module
+
+    from duoka.models.qwen2.model import Varlen, _varlen_attention
+
+    seen = []
+
+    def fake_varlen_attn(q, k, v, *args, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(varlen_module, "varlen_attn", fake_varlen_attn)
+    q, k, v = (torch.randn(2, h, 8, 16) for h in (4, 2, 2))
+    cu = torch.tensor([0, 8, 16], dtype=torch.int32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = _varlen_attention(q, k, v, Varlen(cu, 8))
+    assert seen == [(torch.bfloat16,) * 3] and out.shape == (2, 8, 4, 16)
+    _varlen_attention(q, k, v, Varlen(cu, 8))  # no autocast: the inputs' own dtype
+    assert seen[-1] == (torch.float32,) * 3
+
+
+def test_checkpointed_blocks_are_compiled_inside_their_wrapper():
+    """Compiling the checkpoint wrapper guarded on each block's name and recompiled per
+    block (dynamo's limit of 8 failed a 24-block model on an H200); the block inside it is
+    compiled instead, one graph for all blocks."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from duoka.config import load_config
+    from duoka.models.qwen2.parallelize import parallelize_qwen2
+    from duoka.parallel.dims import ParallelDims
+
+    cfg = load_config(overrides=["--training.activation_checkpointing=full", "--training.compile=true"])
+    model = build_model(ARGS)
+    parallelize_qwen2(model, ParallelDims.from_config(cfg.parallel, 1), None, cfg, torch.float32)
+    for block in model.layers.values():
+        assert isinstance(block, CheckpointWrapper)
+        assert block._compiled_call_impl is None
+        assert block._checkpoint_wrapped_module._compiled_call_impl is not None

@@ -173,6 +173,12 @@ def _varlen_attention(q, k, v, mask: Varlen) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
     bsz, n_heads, seq, head_dim = q.shape
+    if torch.is_autocast_enabled(q.device.type):
+        # What autocast does for SDPA: attention runs in the autocast dtype. Under DDP's
+        # autocast, q and k leave the rotary embedding in fp32 (the cos/sin tables follow the
+        # fp32 residual stream), which flash varlen refuses.
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = (t.to(dtype) for t in (q, k, v))
     q, k, v = (t.transpose(1, 2).reshape(bsz * seq, t.shape[1], head_dim) for t in (q, k, v))
     params = inspect.signature(varlen_attn).parameters
     kwargs = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}

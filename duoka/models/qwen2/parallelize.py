@@ -11,7 +11,7 @@ import dataclasses
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Replicate, Shard
@@ -127,6 +127,10 @@ def parallelize_qwen2(model: Qwen2, dims: ParallelDims, mesh: DeviceMesh, cfg: C
             model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
     if cfg.training.compile:
         for block in model.layers.values():
+            # Under activation checkpointing the compiled region is the block inside the
+            # wrapper: compiling the wrapper recompiled once per block on GPU and hit
+            # dynamo's recompile limit at the ninth (bench/NOTES.md section 18).
+            block = block._checkpoint_wrapped_module if isinstance(block, CheckpointWrapper) else block
             if dims.tp > 1:
                 # The tensor-parallel plan's input/output hooks must stay outside the
                 # compiled region: a whole compiled block gave wrong gradients (torch 2.13),
