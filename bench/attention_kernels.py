@@ -92,11 +92,10 @@ def main() -> None:
             if args.fa4:  # cuDNN first: it is the reference for the differences then
                 candidates = {"cudnn": sdpa("cudnn", False), "fa4": fa4}
             else:
-                candidates = None
-            candidates = candidates or {"flash": sdpa("flash", False), "cudnn": sdpa("cudnn", False),
-                          "cudnn_repeat_kv": sdpa("cudnn", True), "efficient_repeat_kv": sdpa("efficient", True),
-                          "flex": lambda q, k, v: flex(q, k, v, block_mask=block, enable_gqa=True),
-                          "varlen": lambda q, k, v: _varlen_attention(q, k, v, Varlen(cu, seq)).transpose(1, 2)}
+                candidates = {"flash": sdpa("flash", False), "cudnn": sdpa("cudnn", False),
+                              "cudnn_repeat_kv": sdpa("cudnn", True), "efficient_repeat_kv": sdpa("efficient", True),
+                              "flex": lambda q, k, v: flex(q, k, v, block_mask=block, enable_gqa=True),
+                              "varlen": lambda q, k, v: _varlen_attention(q, k, v, Varlen(cu, seq)).transpose(1, 2)}
             dout = torch.randn(b, seq, hq, d, device="cuda", dtype=torch.bfloat16, generator=g).transpose(1, 2)
             for name, fn in candidates.items():
                 try:

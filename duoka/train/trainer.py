@@ -337,11 +337,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ setup
 
-    def _build_model(self):
-        cfg = self.cfg
-        model = build_model(self.args)  # meta: no memory yet
+    def _with_attention_kernels(self, model):
+        """The model (or pipeline stage) with this run's attention kernels: document masking's
+        and the one SDPA kernel for causal attention."""
         model.attention_backend = self.document_kernel
         model.set_sdpa_backend(self.sdpa_backend)
+        return model
+
+    def _build_model(self):
+        cfg = self.cfg
+        model = self._with_attention_kernels(build_model(self.args))  # meta: no memory yet
         if self.dims.fsdp:
             model = parallelize_qwen2(model, self.dims, self.mesh, cfg, self.compute_dtype, self.block_timer)
             model.to_empty(device=self.device)  # each rank allocates only its shards
@@ -368,9 +373,7 @@ class Trainer:
         self.stage_ids = stage_ids(self.coords["pp"], dims.pp, cfg.parallel.pp_stages_per_rank)
         parts = []
         for sid in self.stage_ids:
-            part = build_stage_model(self.args, sid, self.stage_counts)
-            part.attention_backend = self.document_kernel
-            part.set_sdpa_backend(self.sdpa_backend)
+            part = self._with_attention_kernels(build_stage_model(self.args, sid, self.stage_counts))
             part = parallelize_qwen2(part, dims, self.mesh, cfg, self.compute_dtype, self.block_timer)
             part.to_empty(device=self.device)
             self._fill(part)

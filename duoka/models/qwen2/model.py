@@ -13,6 +13,7 @@ RMSNorm, grouped-query attention with biases on q/k/v, rotary position embedding
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import zlib
 from dataclasses import dataclass
@@ -246,11 +247,9 @@ class Attention(nn.Module):
         gqa = q.shape[1] != k.shape[1]
         if cache is not None:
             k, v = cache.update(layer, input_pos, k, v)
-        if mask is None and self.sdpa_backend is not None:  # plain causal attention, one chosen kernel
-            with sdpa_kernel(self.sdpa_backend):
+        if mask is None:  # plain causal attention: the fused kernels' fast path
+            with sdpa_kernel(self.sdpa_backend) if self.sdpa_backend is not None else contextlib.nullcontext():
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        elif mask is None:  # plain causal attention: the fused kernels' fast path
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         elif isinstance(mask, BlockMask):
             out = _flex(q)(q, k, v, block_mask=mask, enable_gqa=gqa)
         elif isinstance(mask, Varlen):
