@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from duoka.data.dataset import step_inputs
-from duoka.models.qwen2.args import FLAVORS
+from duoka.models.qwen2.args import FLAVORS, ModelOptions
 from duoka.models.qwen2.model import build_model, materialize
 
 EOT = 151643
@@ -61,10 +61,10 @@ def step(model, batch: dict) -> torch.Tensor:
 def measure(flavor: str, mode: str, compiled: bool, batches, timed: int) -> dict:
     torch._dynamo.reset()  # each measurement compiles afresh, never against another's recompile budget
     torch.manual_seed(0)
-    model = materialize(build_model(FLAVORS[flavor]), "cuda", torch.bfloat16)
-    model.init_weights(seed=0)
     backend = None if mode == "causal" else mode
-    model.attention_backend = backend or "sdpa"
+    model = materialize(build_model(FLAVORS[flavor], ModelOptions(document_masking=backend or "sdpa")), "cuda",
+                        torch.bfloat16)
+    model.init_weights(seed=0)
     if compiled:
         for block in model.layers.values():
             block.compile(fullgraph=False)

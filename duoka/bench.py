@@ -5,7 +5,7 @@ Runs the real `duoka train` (random tokens, checkpoints off) for warm-up + timed
 scratch run directory and reads its metrics.jsonl: tokens/s/GPU and MFU over the timed
 steps (total tokens / total time), the largest per-rank peak memory, and the medians of
 the step-time breakdown (forward, backward, optimizer, data, and the rest: exposed
-communication and host gaps; see PhaseTimer in duoka/train/trainer.py). With --vs-peer the
+communication and host gaps; see PhaseTimer in duoka/timing.py). With --vs-peer the
 peer script (../shared/peer/hf_qwen2_baseline.py, or --peer) runs under torchrun with the
 same model, micro-batch, sequence and GPU count, DDP or FSDP2 as the layout's data
 parallelism; `vs_peer` = duoka tokens/s / peer tokens/s.
@@ -24,6 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from duoka import runtime
 from duoka.errors import DuokaError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,7 +143,7 @@ def stop_process_groups_on_signal() -> None:
                 os.killpg(pgid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        os._exit(128 + signum)
+        runtime.hard_exit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
@@ -151,8 +152,7 @@ def stop_process_groups_on_signal() -> None:
 def run_process_group(cmd: list[str], timeout: float, env: dict) -> subprocess.CompletedProcess:
     """Runs a launcher (torchrun and its workers) in a session of its own and kills the whole
     session when it ends or times out. subprocess.run's timeout kills only the launcher, and
-    its orphaned workers kept training on the GPUs beside the next measurement (2 x H200,
-    session 4: every figure after it was halved)."""
+    its orphaned workers would keep training on the GPUs beside the next measurement."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     _LIVE_GROUPS.add(proc.pid)

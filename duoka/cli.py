@@ -7,14 +7,11 @@ anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
-import atexit
-import os
 import sys
-import threading
 import time
 from pathlib import Path
 
-from duoka import __version__
+from duoka import __version__, runtime
 from duoka.errors import DuokaError
 from duoka.hub import bundled_model_dir
 
@@ -54,6 +51,7 @@ def run_generate(a: argparse.Namespace) -> int:
 
     from duoka.data.tokenizer import load_tokenizer
     from duoka.models.qwen2.hf_adapter import load_hf_model
+    from duoka.parallel.devices import compute_dtype_name
     from duoka.serve.generate import Generator, SamplingParams, TextStream
 
     params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
@@ -62,9 +60,7 @@ def run_generate(a: argparse.Namespace) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise DuokaError("--device cuda was asked for but PyTorch sees no GPU",
                          "run `nvidia-smi` to check the driver, or use --device cpu")
-    dtype = None if a.dtype == "auto" else getattr(torch, a.dtype)
-    if dtype is None:
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = getattr(torch, compute_dtype_name(a.dtype, device.type))
 
     prompt = a.prompt
     if prompt is None and sys.stdin is not None and not sys.stdin.isatty():
@@ -137,7 +133,7 @@ def add_train_parser(sub) -> None:
 
 
 def run_train(a: argparse.Namespace) -> int:
-    from duoka.parallel.launch import TrainingStopped, launch_training
+    from duoka.launcher import TrainingStopped, launch_training
 
     try:
         launch_training(a.config, a.overrides, a.nproc_per_node, a.nnodes, a.node_rank, a.rdzv_endpoint, a.gpus,
@@ -465,29 +461,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> None:
-    """The `duoka` command: main(), then a quick exit. Once main() has returned nothing is
-    left to do but the interpreter's teardown of torch's modules, 1-2 s on 2 CPU cores for
-    every command (import torch and exit: 2.5 s; with os._exit: 1.8 s). What a normal exit
-    does first still happens: thread pools are told to finish and other non-daemon threads
-    are waited for, the exit handlers run
-    (temporary directories, logging, the worker server's end) and the output is flushed;
-    only the teardown is skipped. An exception leaves the normal way, traceback and all."""
-    code = main()
-    # As the interpreter's own shutdown does first: the hooks that tell thread pools to
-    # finish (concurrent.futures registers them; torch.compile's compile pool is one). Without
-    # them the join below waited forever on a pool's idle workers after a first compile.
-    for hook in reversed(getattr(threading, "_threading_atexits", [])):
-        hook()
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (BrokenPipeError, ValueError):  # a closed pipe (`duoka generate | head`) or stream
-            pass
-    os._exit(code)
+    """The `duoka` command: main(), then a quick exit that skips only the interpreter's
+    teardown of torch's modules (runtime.exit_now). An exception leaves the normal way,
+    traceback and all."""
+    runtime.exit_now(main())
 
 
 if __name__ == "__main__":

@@ -99,7 +99,7 @@ class TrainingConfig:
                                 choices=("auto", "flash", "cudnn", "efficient"))
     fuse_qkv: bool = opt(True, "Compute the query, key and value projections as one matmul over their "
                                "concatenated weights (the parameters stay separate). Exact; not under tp or "
-                               "float8, which keep one matmul per projection. See bench/NOTES.md section 15.")
+                               "float8, which keep one matmul per projection. See docs/performance.md.")
     fused_loss: bool = opt(False, "Compute the output head and the cross-entropy together, chunk by chunk, never "
                                   "holding the logits of more than 4096 tokens (saves ~1.5 MB per token with Qwen2's "
                                   "152k vocabulary). Not under tp (its loss is vocabulary-parallel) or pp.")
@@ -147,8 +147,8 @@ class ParallelConfig:
                                           "less host work, but with resharding more gathered weights alive at once.",
                                     min=-1)
     ddp_bucket_mb: int = opt(1000, "ddp: gradient bucket size in MB (PyTorch's default is 25). Larger buckets "
-                                   "launch fewer, larger all-reduces, later in backward: on 2 x H200, Qwen2-0.5B "
-                                   "ran 2.5-4.8% faster with 200-4000 than with 25 (bench/NOTES.md section 8).",
+                                   "launch fewer, larger all-reduces, later in backward: Qwen2-0.5B ran 2.5-4.8% "
+                                   "faster with 200-4000 than with 25 (docs/performance.md).",
                              min=1)
     tp: int = opt(1, "Tensor-parallel degree, with sequence parallelism (Megatron-style column/row sharding of "
                      "attention and MLP, norms and dropout-free regions sharded on the sequence). Must divide the "

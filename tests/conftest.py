@@ -1,8 +1,11 @@
-"""Shared fixtures: tiny random Qwen2 checkpoints written by transformers itself, and a
-small Qwen2-style tokenizer trained with `tokenizers` (there is no model hub here)."""
+"""Shared fixtures: the `duoka` command as a user runs it, tiny random Qwen2 checkpoints
+written by transformers itself, and a small Qwen2-style tokenizer trained with
+`tokenizers` (there is no model hub here)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +23,54 @@ TOKENIZER_TEXTS = [
     "Émigré naïve café — ünïcödé, emoji 🙂🚀, tabs\tand\nnewlines\n\n  indented code:\n    return x",
     "def f(x):\n    return x ** 2  # a comment\n",
 ] * 40
+
+
+class Cli:
+    """`python -m duoka.cli ARGS` started from the repository root, as a user runs it."""
+
+    root = ROOT
+
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        return {**os.environ, "PYTHONPATH": str(ROOT), **(extra or {})}
+
+    def command(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "duoka.cli", *args]
+
+    def __call__(self, *args: str, env: dict[str, str] | None = None, stdin: str | None = None,
+                 timeout: float = 600) -> subprocess.CompletedProcess:
+        return subprocess.run(self.command(*args), capture_output=True, text=True, cwd=ROOT, timeout=timeout,
+                              input=stdin or "", env=self.env(env))
+
+    def ok(self, *args: str, **kwargs) -> subprocess.CompletedProcess:
+        """The command, which must succeed."""
+        proc = self(*args, **kwargs)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    def popen(self, *args: str, env: dict[str, str] | None = None, **kwargs) -> subprocess.Popen:
+        return subprocess.Popen(self.command(*args), cwd=ROOT, env=self.env(env), **kwargs)
+
+
+@pytest.fixture(scope="session")
+def duoka() -> Cli:
+    """The `duoka` command: duoka(*args) runs it (stdout and stderr captured), duoka.ok(*args)
+    also requires success, duoka.popen(*args) starts it; duoka.root is the repository."""
+    return Cli()
+
+
+@pytest.fixture
+def in_process(capsys):
+    """in_process(*args): duoka.cli.main(args) in this process, as a CompletedProcess. For
+    errors found before any worker starts or model loads (a Python start each costs 2-4 s)."""
+    from duoka.cli import main
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        capsys.readouterr()  # what ran before (fixtures) is not the command's output
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    return run
 
 
 def hf_config(**overrides):

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from duoka.errors import DuokaError
+from duoka.models.qwen2.model import document_starts
 
 RANDOM_DATA = "random"
 
@@ -233,8 +234,6 @@ def step_inputs(batch: torch.Tensor, ignore_index: int, end_of_text: int | None,
     per document, and for the varlen kernel the documents' cumulative lengths.
     always_positions: give [batch, seq] positions even without document masking (model
     parallelism: a pipeline stage or a sequence shard cannot infer them from its input)."""
-    from duoka.models.qwen2.model import document_starts
-
     tokens, labels = split_batch(batch, ignore_index)
     out = {"tokens": tokens, "labels": labels}
     if end_of_text is not None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from duoka.train.profiling import median_seconds
+from duoka.timing import median_seconds
 
 SIZES = (2**20, 2**24, 2**28, 2**30)  # 1 MiB .. 1 GiB per rank
 

@@ -289,7 +289,7 @@ def gather(port: int = 29500, disk_path: str = ".") -> Facts:
     import torch
 
     from duoka.monitor.gpu import decode_clock_reasons, load_nvml, nvml_text
-    from duoka.parallel.launch import port_is_free
+    from duoka.parallel.ports import port_is_free
 
     nvml = load_nvml()
     gpus, links, p2p, driver, driver_cuda = [], {}, {}, None, None

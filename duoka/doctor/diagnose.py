@@ -420,7 +420,7 @@ def _or_list(xs: list[int]) -> str:
 # duoka (data/tokenizer.py): "error: /models/qwen2-7b has no tokenizer.json (found: config.json,
 #   model-00001-of-00004.safetensors, ...)"
 _DUOKA_NO_TOKENIZER = _rx(r"(\S+) has no tokenizer\.json", "has no tokenizer.json")
-# duoka (parallel/launch.py): "error: model.flavor=qwen2-7b has no tokenizer to read data.path with"
+# duoka (launcher.py): "error: model.flavor=qwen2-7b has no tokenizer to read data.path with"
 _DUOKA_FLAVOR_TOKENIZER = re.compile(r"model\.flavor=(\S+) has no tokenizer to read data\.path with")
 # transformers: "OSError: Can't load tokenizer for 'Qwen/Qwen2-7B'. If you were trying to load it from
 #   'https://huggingface.co/models', make sure you don't have a local directory with the same name. ..."
@@ -669,7 +669,7 @@ _OOM_OLD = re.compile(r"(?:CUDA|HIP) out of memory\. Tried to allocate " + _SIZE
 #   cuBLAS' "CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"
 _OOM_ANY = _rx(r"(?:CUDA|HIP) out of memory|CUDA error: out of memory|Cuda failure 'out of memory'|"
                r"CUBLAS_STATUS_ALLOC_FAILED", "out of memory", "cublas_status_alloc_failed")
-# duoka's worker (train/trainer.py): "CUDA out of memory on rank 1 (micro-batch 8, seq_len 4096)"
+# duoka's worker (train/worker.py): "CUDA out of memory on rank 1 (micro-batch 8, seq_len 4096)"
 _DUOKA_OOM = re.compile(r"CUDA out of memory on rank (\d+) \(micro-batch (\w+), seq_len (\d+)\)")
 
 

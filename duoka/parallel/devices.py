@@ -22,6 +22,21 @@ class GpuReading:
     utilization_pct: int
 
 
+_DTYPE_NAMES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
+                "fp16": "float16", "float16": "float16"}
+
+
+def compute_dtype_name(choice: str, device_type: str) -> str:
+    """The torch dtype name for a dtype setting (training.dtype, `generate --dtype`); the one
+    "auto" rule: bfloat16 on GPU, float32 on CPU."""
+    if choice == "auto":
+        return "bfloat16" if device_type == "cuda" else "float32"
+    try:
+        return _DTYPE_NAMES[choice]
+    except KeyError:
+        raise ValueError(f"unknown dtype {choice!r}; expected auto or one of {', '.join(_DTYPE_NAMES)}") from None
+
+
 NVML_FIX = ("check the driver with `nvidia-smi`; a driver/library version mismatch needs a reboot or a reload of "
             "the nvidia kernel module")
 

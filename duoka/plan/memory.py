@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field
 
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import ModelArgs
+from duoka.models.qwen2.stages import stage_layer_counts
 
 GIB = 2**30
 
@@ -178,10 +179,9 @@ def block_params(args: ModelArgs) -> tuple[int, int, int]:
 
 
 # FSDP2's host work per unit in forward (hooks, all-gather set-up, copy-out, stream waits)
-# took ~1.4 ms on the H200 host: with Qwen2-0.5B's blocks as units (1.6 ms of forward each at
-# micro-batch 8 x 2048) the forward became host-bound and its all-gathers exposed, 50-74 ms
-# against DDP's 40 (bench/NOTES.md section 9). A unit of at least this many parameter-tokens
-# per micro-batch (~3 ms of compiled forward on an H200) keeps the GPU ahead.
+# is ~1.4 ms: a unit whose compiled forward is shorter leaves the GPU waiting for the host and
+# its all-gathers exposed. A unit of at least this many parameter-tokens per micro-batch
+# (~3 ms of compiled forward on an H200) keeps the GPU ahead (docs/performance.md).
 UNIT_PARAM_TOKENS = 5e11
 
 
@@ -194,27 +194,6 @@ def auto_blocks_per_unit(args: ModelArgs, micro_batch: int, seq_len: int, tp: in
     p_block, p_block_tp, _ = block_params(args)
     block_local = p_block_tp / tp + (p_block - p_block_tp)
     return max(1, min(args.n_layers, math.ceil(UNIT_PARAM_TOKENS / (block_local * micro_batch * seq_len))))
-
-
-def stage_layer_counts(n_layers: int, n_stages: int) -> list[int]:
-    """Decoder layers per pipeline stage under parallel.pp_layers=even, as the trainer
-    splits them: n_layers + 2 units (the embedding and the output head count as one layer
-    each, torchtitan's convention) spread evenly, the extra units to the middle stages."""
-    if n_stages == 1:
-        return [n_layers]
-    base, extra = divmod(n_layers + 2, n_stages)
-    counts = [base] * n_stages
-    order = list(range(1, n_stages - 1)) + [0, n_stages - 1] if n_stages > 2 else list(range(n_stages))
-    for i in range(extra):
-        counts[order[i % len(order)]] += 1
-    counts[0] -= 1
-    counts[-1] -= 1
-    # A stage left with -1 layers (more stages than layers allow) gives one to a neighbour.
-    for i, c in enumerate(counts):
-        if c < 0:
-            counts[i] = 0
-            counts[i + 1 if i + 1 < n_stages else i - 1] += c
-    return counts
 
 
 def regime_of(layout: Layout, bf16: bool = True) -> str:

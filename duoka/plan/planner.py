@@ -39,14 +39,15 @@ data loading.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from duoka.errors import DuokaError
-from duoka.models.qwen2.args import FLAVORS, ModelArgs, from_hf_config
+from duoka.hub import resolve_model_dir
+from duoka.models.qwen2.args import FLAVORS, ModelArgs
+from duoka.models.qwen2.hf_adapter import read_config
 from duoka.plan.memory import (
     GIB,
     Layout,
@@ -80,10 +81,10 @@ FSDP_UNIT_S = 0.5e-3  # per FSDP unit per forward or backward pass (0.5-0.66 ms 
 # 2.1x and 3.8x the estimate without it). Per-op dispatch on the host, redistributions.
 TP_BLOCK_OVERHEAD_S = 12e-3
 # DDP's all-reduce is modelled as overlapped bucket by bucket, in 25 MB buckets, with one
-# bucket exposed. duoka's default buckets are 1000 MB: fewer, later all-reduces measured
-# 2-5% faster (bench/NOTES.md section 8) through less contention with the backward's
-# kernels, which this model leaves out; modelling the larger buckets' exposure without
-# that contention would penalise DDP for a change that made it faster.
+# bucket exposed. duoka's default buckets are 1000 MB: fewer, later all-reduces are faster
+# through less contention with the backward's kernels, which this model leaves out;
+# modelling the larger buckets' exposure without that contention would penalise DDP for a
+# change that made it faster (docs/performance.md).
 DDP_BUCKET_BYTES = 25 * 2**20
 OPTIMIZER_BYTES_PER_PARAM = 32  # fused AdamW: read w, g, m, v (16), write w, m, v (12), grad norm (4)
 AC_RECOMPUTE = 4 / 3  # full checkpointing runs each block's forward (1/3 of its FLOPs) again
@@ -234,17 +235,7 @@ def resolve_model(ref: str) -> ModelChoice:
     if not path.exists() and "/" not in ref:
         raise DuokaError(f"--model {ref} is neither a flavor nor a model folder",
                          f"use a flavor ({', '.join(FLAVORS)}) or a Hugging Face folder / hub id")
-    from duoka.hub import resolve_model_dir
-
-    folder = resolve_model_dir(ref)
-    config = folder / "config.json"
-    if not config.is_file():
-        raise DuokaError(f"{folder} has no config.json", "pass a Hugging Face model folder")
-    try:
-        cfg = json.loads(config.read_text())
-    except json.JSONDecodeError as e:
-        raise DuokaError(f"{config} is not valid JSON ({e})", "restore the file from the original checkpoint") from None
-    return ModelChoice(str(ref), from_hf_config(cfg, source=str(config)), {"path": str(ref)})
+    return ModelChoice(str(ref), read_config(resolve_model_dir(ref)), {"path": str(ref)})
 
 
 # ---------------------------------------------------------------- layouts

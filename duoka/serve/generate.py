@@ -1,4 +1,5 @@
-"""Autoregressive generation with a static KV cache (the gpt-fast recipe).
+"""Autoregressive generation with a static KV cache (the gpt-fast recipe: the cache lives on
+the model's attention layers for the length of one generation).
 
 The prompt is prefilled in one forward pass; each later step feeds one token per
 sequence. Sampling stays on the device (no host sync to pick a token); the only sync per
@@ -61,8 +62,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     return (probs / noise).argmax(dim=-1)
 
 
-def _forward_step(model: Qwen2, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    return model(tokens, positions=positions, cache=cache)[:, -1].float()
+def _forward_step(model: Qwen2, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The last position's logits; with the caches set up, positions are the cache positions."""
+    return model(tokens, positions=positions)[:, -1].float()
 
 
 class Generator:
@@ -106,31 +108,38 @@ class Generator:
         stops = torch.tensor(sorted(stop_ids), device=device, dtype=torch.long)
         finished = torch.zeros(batch, dtype=torch.bool, device=device)
 
-        if use_cache:
-            cache = model.new_cache(batch, total, device=device)
-            if self.compile:
-                for t in (*cache.k.values(), *cache.v.values()):
-                    torch._dynamo.mark_static_address(t)  # CUDA graphs replay on these buffers
-            logits = _forward_step(model, prompt, torch.arange(prompt_len, device=device), cache)
-            position = torch.tensor([prompt_len], device=device)
-        else:
-            sequence = prompt
-            logits = model(sequence)[:, -1].float()
-
-        for step in range(params.max_new_tokens):
-            token = sample(logits, params, generator)
-            if len(stops):
-                token = torch.where(finished, stops[0], token)
-                finished |= torch.isin(token, stops)
-            yield token
-            if step + 1 == params.max_new_tokens or (len(stops) and bool(finished.all())):
-                return
+        # The caches exist for this generation only: afterwards (or once the caller stops
+        # early) the model's forward is the plain one again.
+        try:
             if use_cache:
-                logits = self._decode(model, token[:, None], position, cache)
-                position += 1
+                model.setup_kv_cache(batch, total, device=device)
+                if self.compile:
+                    for cache in model.modules():
+                        if isinstance(cache, KVCache):  # CUDA graphs replay on these buffers
+                            torch._dynamo.mark_static_address(cache.k)
+                            torch._dynamo.mark_static_address(cache.v)
+                logits = _forward_step(model, prompt, torch.arange(prompt_len, device=device))
+                position = torch.tensor([prompt_len], device=device)
             else:
-                sequence = torch.cat([sequence, token[:, None]], dim=1)
+                sequence = prompt
                 logits = model(sequence)[:, -1].float()
+
+            for step in range(params.max_new_tokens):
+                token = sample(logits, params, generator)
+                if len(stops):
+                    token = torch.where(finished, stops[0], token)
+                    finished |= torch.isin(token, stops)
+                yield token
+                if step + 1 == params.max_new_tokens or (len(stops) and bool(finished.all())):
+                    return
+                if use_cache:
+                    logits = self._decode(model, token[:, None], position)
+                    position += 1
+                else:
+                    sequence = torch.cat([sequence, token[:, None]], dim=1)
+                    logits = model(sequence)[:, -1].float()
+        finally:
+            model.clear_kv_cache()
 
     def generate(self, prompt: torch.Tensor, params: SamplingParams = SamplingParams(),
                  stop_ids: set[int] | frozenset[int] = frozenset(), use_cache: bool = True,

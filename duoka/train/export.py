@@ -1,4 +1,5 @@
-"""`duoka export`: a training checkpoint (DCP, written under any layout) -> Hugging Face folder."""
+"""Hugging Face folders out of training: `duoka export` of a checkpoint (DCP, written under
+any layout), and the trainer's export of the model it holds."""
 
 from __future__ import annotations
 
@@ -6,11 +7,14 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import ModelArgs
-from duoka.models.qwen2.hf_adapter import save_hf_checkpoint
+from duoka.models.qwen2.hf_adapter import save_hf_checkpoint, save_hf_state_dict
 from duoka.models.qwen2.model import build_model, materialize
+from duoka.parallel.parallelize import unwrap
 from duoka.train.checkpoint import STATE_FILE, load_model_weights, read_train_state
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -35,3 +39,36 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_
     extra = [checkpoint / name for name in TOKENIZER_FILES if (checkpoint / name).is_file()]
     return save_hf_checkpoint(model, out, max_shard_size=max_shard_size, dtype=getattr(torch, dtype),
                               extra_files=extra)
+
+
+def export_trained(model, args: ModelArgs, run_dir: Path, step: int, tokenizer_files: tuple[str, ...],
+                   pipeline: bool) -> Path:
+    """The trained model as a Hugging Face folder under RUN_DIR/hf/step-N (every rank
+    joins; rank 0 writes). Under pipeline parallelism no rank holds every stage: rank 0
+    converts the step's checkpoint (all stages' files) in one process instead."""
+    out = run_dir / "hf" / f"step-{step}"
+    if pipeline:
+        checkpoint = run_dir / "checkpoints" / f"step-{step}"
+        if not checkpoint.is_dir():
+            raise DuokaError("under pipeline parallelism the final Hugging Face export is made from the final "
+                             "checkpoint, and checkpoint.enabled=false",
+                             "enable checkpoints, or set checkpoint.export_final=false and run duoka export")
+        if dist.get_rank() == 0:
+            export_checkpoint(checkpoint, out, dtype="float32", no_dist=True)
+        dist.barrier()
+        return out
+    state = get_model_state_dict(unwrap(model), options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        state = {_clean_name(k): v for k, v in state.items()}
+        if args.tie_word_embeddings:
+            state.setdefault("output.weight", state["tok_embeddings.weight"])
+        save_hf_state_dict(state, args, out, extra_files=[Path(f) for f in tokenizer_files])
+    dist.barrier()
+    return out
+
+
+def _clean_name(name: str) -> str:
+    """A parameter's name in the plain model, without the wrappers' prefixes."""
+    for wrapper in ("_orig_mod.", "_checkpoint_wrapped_module.", "module."):
+        name = name.replace(wrapper, "")
+    return name

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from duoka import runtime
 from duoka.config import OptimizerConfig
 from duoka.errors import DuokaError
 
@@ -45,6 +46,16 @@ def plan_batch(global_batch: int, dp_size: int, micro_batch: int) -> BatchPlan:
             f"choose a micro-batch from {divisors} (accumulation = {per_rank} / micro-batch), or `auto`",
         )
     return BatchPlan(global_batch, dp_size, micro_batch)
+
+
+def pipeline_microbatches(cfg, per_rank: int, accumulation: int) -> int:
+    """The schedule's micro-batch count: parallel.pp_microbatches, or one per micro-batch."""
+    n_micro = cfg.parallel.pp_microbatches or accumulation
+    if per_rank % n_micro:
+        raise DuokaError(f"parallel.pp_microbatches={n_micro} does not divide the per-rank batch of "
+                         f"{per_rank} samples",
+                         f"choose a divisor of {per_rank} (0: per-rank batch / micro_batch_size)")
+    return n_micro
 
 
 def effective_lr(cfg: OptimizerConfig, global_batch: int) -> float:
@@ -106,6 +117,6 @@ def clip_to_norm(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], n
     if not math.isfinite(max_norm):
         return
     if optimizer.defaults.get("fused"):
-        optimizer.grad_scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0)
+        runtime.set_grad_divisor(optimizer, torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0))
     else:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)

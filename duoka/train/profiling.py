@@ -5,28 +5,10 @@ communication is exposed. Writes a Chrome/Perfetto trace and a per-kernel table 
 from __future__ import annotations
 
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
-
-
-def median_seconds(fn, device: torch.device, iters: int, warmup: int = 3) -> float:
-    """Median wall time of `fn` over `iters` calls after `warmup` untimed ones (kernels
-    and allocator warm), each bracketed by device synchronizes on GPU."""
-    times = []
-    for i in range(warmup + iters):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def start_profile(device: torch.device):
@@ -67,3 +49,27 @@ def kernel_table(prof, cuda: bool, top: int) -> dict:
     for r in rows:
         r["share"] = r["ms"] / total if total else 0.0
     return {"device": "cuda" if cuda else "cpu", "total_ms": total, "kernels": rows[:top]}
+
+
+class StepProfiler:
+    """metrics.profile_step (1-based) and the profile_steps after it under torch.profiler;
+    inactive when profile_step is 0."""
+
+    def __init__(self, cfg, device: torch.device, out_dir: Path, rank: int, steps: int):
+        self.first, self.device, self.out_dir, self.rank = cfg.profile_step, device, out_dir, rank
+        self.final = min(steps, cfg.profile_step + cfg.profile_steps - 1)  # the last profiled step, 1-based
+        self.prof = None
+
+    def before(self, step: int) -> None:
+        """Call before 0-based `step`."""
+        if self.first and step + 1 == self.first:
+            self.prof = start_profile(self.device)
+
+    def last(self, step: int) -> bool:
+        """Whether 0-based `step` is the last profiled one: its end must be waited for, so
+        that the trace holds every kernel."""
+        return self.prof is not None and step + 1 == self.final
+
+    def write(self) -> None:
+        write_profile(self.prof, self.out_dir, self.rank, self.device)
+        self.prof = None

@@ -1,91 +1,71 @@
 """Resumable checkpoints: exact resume, resharding onto other layouts, crash safety, export."""
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parents[2]
 # Constant lr after warmup, so a run configured for 4 steps and one for 8 see the same lr
 # at each step and "4 steps, then resume to 8" must equal "8 steps" exactly.
 COMMON = ["--training.seq_len=32", "--training.global_batch_size=8", "--training.dtype=fp32",
           "--optimizer.warmup_steps=2", "--optimizer.schedule=constant", "--metrics.log_interval=100"]
 
 
-def duoka(*args):
-    proc = subprocess.run([sys.executable, "-m", "duoka.cli", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=600, input="", env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
-
-
-def records(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-
-
-def final_weights(run: Path, step: int = 8) -> dict[str, torch.Tensor]:
-    return load_file(run / "hf" / f"step-{step}" / "model.safetensors")
-
-
-def test_resume_is_exact_and_reshards(tmp_path):
+def test_resume_is_exact_and_reshards(duoka, records, weights, tmp_path):
     straight = tmp_path / "straight"
-    duoka("train", f"--job.output_dir={straight}", "--training.steps=8", "--nproc-per-node=2",
+    duoka.ok("train", f"--job.output_dir={straight}", "--training.steps=8", "--nproc-per-node=2",
           "--parallel.dp_mode=fsdp", *COMMON)
 
     # 4 steps under FSDP2 on 2 ranks, then 4 more on the same layout: bit-exact.
     same = tmp_path / "same"
-    duoka("train", f"--job.output_dir={same}", "--training.steps=4", "--nproc-per-node=2", "--parallel.dp_mode=fsdp",
-          *COMMON)
-    proc = duoka("train", f"--job.output_dir={same}", "--training.steps=8", "--checkpoint.resume=auto",
-                 "--nproc-per-node=2", "--parallel.dp_mode=fsdp", *COMMON)
+    duoka.ok("train", f"--job.output_dir={same}", "--training.steps=4", "--nproc-per-node=2",
+             "--parallel.dp_mode=fsdp", *COMMON)
+    proc = duoka.ok("train", f"--job.output_dir={same}", "--training.steps=8", "--checkpoint.resume=auto",
+                    "--nproc-per-node=2", "--parallel.dp_mode=fsdp", *COMMON)
     assert "resumed at step 4" in proc.stderr
     a, b = records(straight), records(same)
     assert [r["step"] for r in b] == list(range(1, 9))  # each step once
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     assert [r["tokens"] for r in a] == [r["tokens"] for r in b]
-    wa, wb = final_weights(straight), final_weights(same)
+    wa, wb = weights(straight, 8), weights(same, 8)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
     # Resuming under another layout (DCP resharding) is tested in
     # tests/distributed/test_model_parallel.py (tp=2 -> FSDP2, FSDP2 -> tp2 x pp2).
 
 
-def test_float8_resume_is_exact(tmp_path):
+def test_float8_resume_is_exact(duoka, records, weights, tmp_path):
     """float8 under FSDP2 gathers weights wrapped in torchao's tensor subclass; the
     checkpoint must still save and restore them (and the run continue bit for bit)."""
     layout = ["--nproc-per-node=2", "--parallel.dp_mode=fsdp", "--training.float8=tensorwise", *COMMON]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     # 4 steps (2, then resumed to 4) keep this float8 run on CPU short; the bf16/fp32
     # layouts' resume is checked over 8 above.
-    duoka("train", f"--job.output_dir={straight}", "--training.steps=4", *layout)
-    duoka("train", f"--job.output_dir={resumed}", "--training.steps=2", *layout)
-    proc = duoka("train", f"--job.output_dir={resumed}", "--training.steps=4", "--checkpoint.resume=auto", *layout)
+    duoka.ok("train", f"--job.output_dir={straight}", "--training.steps=4", *layout)
+    duoka.ok("train", f"--job.output_dir={resumed}", "--training.steps=2", *layout)
+    proc = duoka.ok("train", f"--job.output_dir={resumed}", "--training.steps=4", "--checkpoint.resume=auto", *layout)
     assert "resumed at step 2" in proc.stderr and "float8 tensorwise" in proc.stderr
     assert [r["loss"] for r in records(straight)] == [r["loss"] for r in records(resumed)]
-    wa, wb = final_weights(straight, step=4), final_weights(resumed, step=4)
+    wa, wb = weights(straight, 4), weights(resumed, 4)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def test_async_keep_last_k_and_export_round_trip(tmp_path):
+def test_async_keep_last_k_and_export_round_trip(duoka, tmp_path):
     from transformers import Qwen2ForCausalLM
 
     from duoka.models.qwen2.hf_adapter import load_hf_model
 
     run = tmp_path / "run"
-    proc = duoka("train", f"--job.output_dir={run}", "--training.steps=6", "--checkpoint.interval=2",
-                 "--checkpoint.keep=2", "--checkpoint.async_save=true", "--nproc-per-node=2",
-                 "--parallel.dp_mode=fsdp", *COMMON)
+    proc = duoka.ok("train", f"--job.output_dir={run}", "--training.steps=6", "--checkpoint.interval=2",
+                    "--checkpoint.keep=2", "--checkpoint.async_save=true", "--nproc-per-node=2",
+                    "--parallel.dp_mode=fsdp", *COMMON)
     assert proc.stderr.count("written in the background: training blocked") == 3  # steps 2, 4 and 6
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-4", "step-6"]
     out = tmp_path / "exported"
-    proc = duoka("export", str(run / "checkpoints" / "step-6"), "--out", str(out), "--dtype", "float32",
-                 "--max-shard-size", "2MB")
+    proc = duoka.ok("export", str(run / "checkpoints" / "step-6"), "--out", str(out), "--dtype", "float32",
+                    "--max-shard-size", "2MB")
     assert proc.stdout.strip() == str(out)
     assert (out / "model.safetensors.index.json").is_file() and (out / "tokenizer.json").is_file()
     tokens = torch.randint(0, 4096, (2, 16))
@@ -95,14 +75,13 @@ def test_async_keep_last_k_and_export_round_trip(tmp_path):
         assert torch.allclose(theirs(tokens).logits, ours(tokens), rtol=1e-5, atol=1e-5)
 
 
-def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path):
+def test_kill_during_save_leaves_the_previous_checkpoint(duoka, records, tmp_path):
     """kill -9 the whole job while a checkpoint is being written: the newest complete
     checkpoint still loads and the run continues from it."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "duoka.cli", "train", f"--job.output_dir={run}", "--training.steps=400",
-           "--checkpoint.interval=1", "--checkpoint.keep=3", "--nproc-per-node=2", *COMMON]
-    job = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL, start_new_session=True)
+    job = duoka.popen("train", f"--job.output_dir={run}", "--training.steps=400", "--checkpoint.interval=1",
+                      "--checkpoint.keep=3", "--nproc-per-node=2", *COMMON, stdout=subprocess.DEVNULL,
+                      stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 240
     caught = False
     while time.time() < deadline and job.poll() is None:
@@ -121,20 +100,18 @@ def test_kill_during_save_leaves_the_previous_checkpoint(tmp_path):
     complete = complete_checkpoints(run)
     assert complete and all(not p.name.endswith(".partial") for p in complete)
     last = int(complete[-1].name.split("-")[1])
-    proc = duoka("train", f"--job.output_dir={run}", f"--training.steps={last + 2}", "--checkpoint.resume=auto",
-                 "--nproc-per-node=2", *COMMON)
+    proc = duoka.ok("train", f"--job.output_dir={run}", f"--training.steps={last + 2}", "--checkpoint.resume=auto",
+                    "--nproc-per-node=2", *COMMON)
     assert f"resumed at step {last}" in proc.stderr
     assert [r["step"] for r in records(run)] == list(range(1, last + 3))
 
 
-def test_sigterm_saves_then_stops(tmp_path):
+def test_sigterm_saves_then_stops(duoka, records, tmp_path):
     """SIGTERM to the launcher (what a scheduler sends on preemption) reaches the workers
     through the elastic agent; they finish the step, save, and the job exits with 143."""
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "duoka.cli", "train", f"--job.output_dir={run}", "--training.steps=100000",
-           "--nproc-per-node=2", *COMMON]
-    job = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+    job = duoka.popen("train", f"--job.output_dir={run}", "--training.steps=100000", "--nproc-per-node=2", *COMMON,
+                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and not ((run / "metrics.jsonl").exists() and len(records(run)) >= 3):
         time.sleep(0.05)

@@ -8,22 +8,9 @@ Checkpoints written under one layout resume under another.
 """
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
-
-from test_layouts import COMMON, ROOT, assert_same_run, records, train
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    run = tmp_path_factory.mktemp("ref") / "run"
-    train(run, "--nproc-per-node=1")
-    return run
-
 
 PP = ["--parallel.pp=2", "--training.micro_batch_size=2"]  # 4 micro-batches through the pipeline
 TP2 = ["--nproc-per-node=2", "--parallel.tp=2"]
@@ -31,15 +18,13 @@ FSDP2 = ["--nproc-per-node=2", "--parallel.dp_mode=fsdp"]
 
 
 @pytest.fixture(scope="module")
-def tp2_run(tmp_path_factory):
+def tp2_run(layout_runs):
     """A tp=2 run with a checkpoint at step 3: checked against one process, and resumed
     under another layout."""
-    run = tmp_path_factory.mktemp("tp2") / "run"
-    train(run, "--checkpoint.interval=3", *TP2)
-    return run
+    return layout_runs.once("--checkpoint.interval=3", *TP2)
 
 
-def test_tensor_parallel_matches_one_process(reference, tp2_run):
+def test_tensor_parallel_matches_one_process(reference, tp2_run, assert_same_run):
     assert_same_run(tp2_run, reference)
 
 
@@ -55,42 +40,46 @@ def test_tensor_parallel_matches_one_process(reference, tp2_run):
     ["--nproc-per-node=8", "--parallel.dp_mode=fsdp", "--parallel.tp=2", *PP,
      "--parallel.pp_schedule=interleaved_1f1b", "--parallel.pp_stages_per_rank=2"],
 ], ids=["pp2-gpipe", "pp2-1f1b-uneven", "fsdp2xtp2", "dp2xpp2-zero-bubble", "fsdp2xtp2xpp2-interleaved"])
-def test_model_parallel_layout_matches_one_process(reference, tmp_path, layout):
-    train(tmp_path / "run", *layout)
+def test_model_parallel_layout_matches_one_process(layout_runs, reference, assert_same_run, tmp_path, layout):
+    layout_runs(tmp_path / "run", *layout)
     assert_same_run(tmp_path / "run", reference)
 
 
-def resume_matches(reference, tmp_path, first, target_layout):
-    """Continue from the step-3 checkpoint of run `first` under another layout: steps 4
-    and 5 and the final weights equal the uninterrupted single-process run."""
-    second = tmp_path / "second"
-    train(second, f"--checkpoint.resume={first / 'checkpoints' / 'step-3'}", *target_layout)
-    ref = records(reference)
-    got = records(second)
-    assert [r["step"] for r in got] == [4, 5]
-    # assert_same_run reads whole runs: give the resumed run the first three records.
-    full = tmp_path / "full"
-    shutil.copytree(second, full)
-    (full / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ref[:3] + got))
-    assert_same_run(full, reference)
+@pytest.fixture
+def resume_matches(layout_runs, reference, records, assert_same_run, tmp_path):
+    """resume_matches(first, target_layout): continue from the step-3 checkpoint of run
+    `first` under another layout: steps 4 and 5 and the final weights equal the
+    uninterrupted single-process run."""
+
+    def check(first, target_layout):
+        second = tmp_path / "second"
+        layout_runs(second, f"--checkpoint.resume={first / 'checkpoints' / 'step-3'}", *target_layout)
+        ref = records(reference)
+        got = records(second)
+        assert [r["step"] for r in got] == [4, 5]
+        # assert_same_run reads whole runs: give the resumed run the first three records.
+        full = tmp_path / "full"
+        shutil.copytree(second, full)
+        (full / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ref[:3] + got))
+        assert_same_run(full, reference)
+
+    return check
 
 
-def test_checkpoint_from_tensor_parallel_resumes_under_fsdp(reference, tp2_run, tmp_path):
-    resume_matches(reference, tmp_path, tp2_run, FSDP2)
+def test_checkpoint_from_tensor_parallel_resumes_under_fsdp(resume_matches, tp2_run):
+    resume_matches(tp2_run, FSDP2)
 
 
-def test_checkpoint_from_fsdp_resumes_under_tensor_and_pipeline_parallel(reference, tmp_path):
+def test_checkpoint_from_fsdp_resumes_under_tensor_and_pipeline_parallel(resume_matches, fsdp_accumulation_run):
     """The pipeline's last stage holds its own copy of the tied embedding: it must find
-    its weight and optimizer state under the single model's names."""
-    first = tmp_path / "first"
-    train(first, "--checkpoint.interval=3", "--nproc-per-node=1", "--parallel.dp_mode=fsdp")
-    resume_matches(reference, tmp_path, first, ["--nproc-per-node=4", "--parallel.tp=2", *PP])
+    its weight and optimizer state under the single model's names. The FSDP2 run (2 ranks,
+    a checkpoint at step 3) is also a layout of test_layouts.py, trained once for both."""
+    resume_matches(fsdp_accumulation_run, ["--nproc-per-node=4", "--parallel.tp=2", *PP])
 
 
-def test_impossible_layout_is_refused_before_workers_start(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "duoka.cli", "train", f"--job.output_dir={tmp_path / 'run'}",
-                           *COMMON, "--nproc-per-node=3", "--parallel.tp=3"], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+def test_impossible_layout_is_refused_before_workers_start(duoka, layout_runs, tmp_path):
+    proc = duoka("train", f"--job.output_dir={tmp_path / 'run'}", *layout_runs.common, "--nproc-per-node=3",
+                 "--parallel.tp=3", timeout=120)
     assert proc.returncode != 0
     assert "4 attention heads and 2 KV heads" in proc.stderr and "use parallel.tp in [1, 2]" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -2,26 +2,18 @@
 script (the transformers peer needs a Qwen2 shape too big for a CPU test)."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from duoka.bench import layout_overrides, run_peer, summarize
 from duoka.errors import DuokaError
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def test_bench_runs_training_and_reports_the_contract_fields(tmp_path):
+def test_bench_runs_training_and_reports_the_contract_fields(duoka, tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, "-m", "duoka.cli", "bench", "--model", "debug", "--layout", "fsdp",
-                           "--seq", "64", "--micro-batch", "2", "--steps", "3", "--warmup", "1",
-                           "--nproc-per-node", "2", "--profile", "--set", "optimizer.weight_decay=0.0",
-                           "--out", str(out)], capture_output=True, text=True, cwd=ROOT,
-                          timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = duoka("bench", "--model", "debug", "--layout", "fsdp", "--seq", "64", "--micro-batch", "2", "--steps", "3",
+                 "--warmup", "1", "--nproc-per-node", "2", "--profile", "--set", "optimizer.weight_decay=0.0",
+                 "--out", str(out), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
     for field in ("model", "layout", "seq", "micro_batch", "tokens_per_s_per_gpu", "mfu", "peak_mem_gib"):

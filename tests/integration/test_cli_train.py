@@ -1,17 +1,6 @@
 """`duoka train` end to end through the real CLI."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def duoka(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "duoka.cli", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=600, input="", env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
 
 
 def assert_user_error(proc, *phrases):
@@ -22,7 +11,7 @@ def assert_user_error(proc, *phrases):
         assert phrase in proc.stderr, proc.stderr
 
 
-def test_default_run_shortened_trains_and_generates(tmp_path):
+def test_default_run_shortened_trains_and_generates(duoka, tmp_path):
     """The built-in default (debug Qwen2 on the bundled corpus), cut to 40 steps."""
     run = tmp_path / "run"
     proc = duoka("train", f"--job.output_dir={run}", "--training.steps=40")
@@ -48,7 +37,7 @@ def test_default_run_shortened_trains_and_generates(tmp_path):
     assert_user_error(again, "already holds a run", "--checkpoint.resume=auto")
 
 
-def test_resolved_config_is_reusable(tmp_path):
+def test_resolved_config_is_reusable(duoka, tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text('[training]\nsteps = 2\nseq_len = 32\nglobal_batch_size = 4\n[optimizer]\nlr = 0.001\n')
     run = tmp_path / "run"
@@ -59,13 +48,11 @@ def test_resolved_config_is_reusable(tmp_path):
     assert rerun.returncode == 0, rerun.stderr[-2000:]
 
 
-def test_config_errors_before_any_worker_starts(tmp_path, capsys):
+def test_config_errors_before_any_worker_starts(duoka, in_process, tmp_path):
     out = f"--job.output_dir={tmp_path / 'x'}"
     # One through a real process (exit code, no traceback), the rest through the same
     # entry point in this process (a Python start each would cost 4 s).
     assert_user_error(duoka("train", out, "--training.stpes=3"), "training.stpes", "training.steps")
-    from duoka.cli import main
-
     for args, phrases in [
         (["--nproc-per-node=2", "--parallel.dp_mode=fsdp", "--parallel.dp_replicate=3"],
          ["dp_replicate=3 does not divide the 2 data-parallel ranks"]),
@@ -76,20 +63,20 @@ def test_config_errors_before_any_worker_starts(tmp_path, capsys):
         (["--gpus=0"], ["no GPU is visible"]),
         (["--training.seq_len=4096"], ["exceeds the model's 2048 positions"]),
     ]:
-        code = main(["train", out, *args])
-        err = capsys.readouterr().err
-        assert_user_error(subprocess.CompletedProcess(args, code, "", err), *phrases)
+        assert_user_error(in_process("train", out, *args), *phrases)
     assert not (tmp_path / "x").exists()
 
 
-def test_too_small_corpus(tmp_path):
+def test_too_small_corpus(in_process, tmp_path):
+    """Found by the launcher while it reads the corpus, before any worker starts: through
+    the entry point in this process, as above."""
     tiny = tmp_path / "tiny.jsonl"
     tiny.write_text('{"text": "too short"}\n')
-    assert_user_error(duoka("train", f"--job.output_dir={tmp_path / 'run'}", f"--data.path={tiny}"),
+    assert_user_error(in_process("train", f"--job.output_dir={tmp_path / 'run'}", f"--data.path={tiny}"),
                       "fewer than one window", "training.seq_len")
 
 
-def test_worker_errors_come_back_as_one_message(tmp_path):
+def test_worker_errors_come_back_as_one_message(duoka, tmp_path):
     """A checkpoint whose tensor shapes do not match is found while the workers load it."""
     import shutil
 
@@ -108,7 +95,7 @@ def test_worker_errors_come_back_as_one_message(tmp_path):
     assert_user_error(proc, "training stopped on rank(s) ", "model.norm.weight: checkpoint [7], model [192]")
 
 
-def test_start_from_a_hugging_face_folder(tmp_path):
+def test_start_from_a_hugging_face_folder(duoka, tmp_path):
     """model.path: weights and tokenizer from an HF folder (here the bundled tiny model)."""
     from duoka.hub import bundled_model_dir
 
@@ -120,7 +107,7 @@ def test_start_from_a_hugging_face_folder(tmp_path):
     assert first < 6.0  # a trained model starts far below ln(vocab) = 8.3
 
 
-def test_busy_rendezvous_port(tmp_path):
+def test_busy_rendezvous_port(duoka, tmp_path):
     import socket
 
     with socket.socket() as busy:
@@ -136,10 +123,10 @@ def test_busy_rendezvous_port(tmp_path):
         assert_user_error(multi, f"rendezvous port {port} on 127.0.0.1 is already in use", "pick another port")
 
 
-def test_example_configs_are_valid():
+def test_example_configs_are_valid(duoka):
     from duoka.config import load_config
 
-    configs = sorted((ROOT / "configs").glob("*.toml"))
+    configs = sorted((duoka.root / "configs").glob("*.toml"))
     assert len(configs) >= 3
     for path in configs:
         load_config(path)

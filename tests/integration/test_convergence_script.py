@@ -6,25 +6,22 @@ ones stay as close because the updates agree too. About 35 s on 2 cores, most of
 two process groups starting and importing torch and transformers."""
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
 
-
-def test_duoka_and_the_transformers_peer_follow_the_same_loss_curve(tmp_path):
+def test_duoka_and_the_transformers_peer_follow_the_same_loss_curve(duoka, tmp_path):
     pytest.importorskip("transformers")
     out = tmp_path / "convergence.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "convergence.py"), "--flavor", "debug", "--steps", "6", "--seq", "32",
-         "--micro-batch", "2", "--global-batch", "8", "--nproc", "2", "--layout-flags", "--parallel.dp_mode=ddp",
-         "--dtype", "fp32", "--workdir", str(tmp_path / "work"), "--out", str(out)],
-        check=False, capture_output=True, text=True, cwd=ROOT, timeout=300, stdin=subprocess.DEVNULL,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+        [sys.executable, str(duoka.root / "bench" / "convergence.py"), "--flavor", "debug", "--steps", "6",
+         "--seq", "32", "--micro-batch", "2", "--global-batch", "8", "--nproc", "2",
+         "--layout-flags", "--parallel.dp_mode=ddp", "--dtype", "fp32", "--workdir", str(tmp_path / "work"),
+         "--out", str(out)],
+        check=False, capture_output=True, text=True, cwd=duoka.root, timeout=300, stdin=subprocess.DEVNULL,
+        env=duoka.env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
 

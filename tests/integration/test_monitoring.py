@@ -3,16 +3,11 @@ HTTP while it trains, and its TensorBoard events are read back with tensorboard'
 EventAccumulator afterwards."""
 
 import json
-import os
 import subprocess
-import sys
 import time
 import urllib.request
-from pathlib import Path
 
-from duoka.parallel.launch import free_port
-
-ROOT = Path(__file__).resolve().parents[2]
+from duoka.parallel.ports import free_port
 
 
 def scrape(port: int) -> dict[str, float]:
@@ -21,17 +16,15 @@ def scrape(port: int) -> dict[str, float]:
             if line.startswith("duoka_")}
 
 
-def test_prometheus_scraped_during_training_and_tensorboard_events(tmp_path):
+def test_prometheus_scraped_during_training_and_tensorboard_events(duoka, tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     port, run, steps = free_port(), tmp_path / "run", 25
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "duoka.cli", "train", f"--job.output_dir={run}", f"--training.steps={steps}",
-         "--training.seq_len=32", "--training.global_batch_size=4", "--training.dtype=fp32",
-         "--checkpoint.enabled=false", "--checkpoint.export_final=false", "--metrics.log_interval=100",
-         f"--metrics.prometheus_port={port}"],
-        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True)
+    proc = duoka.popen(
+        "train", f"--job.output_dir={run}", f"--training.steps={steps}", "--training.seq_len=32",
+        "--training.global_batch_size=4", "--training.dtype=fp32", "--checkpoint.enabled=false",
+        "--checkpoint.export_final=false", "--metrics.log_interval=100", f"--metrics.prometheus_port={port}",
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         seen, deadline = [], time.time() + 120
         while time.time() < deadline and proc.poll() is None:

@@ -1,19 +1,8 @@
 """`duoka prepare` end to end: shards, manifest, malformed lines, resume, no-op, training."""
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def duoka(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "duoka.cli", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=600, input="", env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
 
 
 @pytest.fixture
@@ -27,7 +16,7 @@ def corpus(tmp_path):
     return src
 
 
-def test_prepare_then_train(corpus, tmp_path):
+def test_prepare_then_train(duoka, corpus, tmp_path):
     out = tmp_path / "prepared"
     proc = duoka("prepare", "--data", str(corpus), "--out", str(out), "--workers", "2")
     assert proc.returncode == 0, proc.stderr
@@ -65,20 +54,22 @@ def test_prepare_then_train(corpus, tmp_path):
     assert losses[0] == losses[1]
 
 
-def test_fail_on_malformed(corpus, tmp_path):
+def test_fail_on_malformed(duoka, corpus, tmp_path):
     proc = duoka("prepare", "--data", str(corpus), "--out", str(tmp_path / "p"), "--on-error", "fail")
     assert proc.returncode == 2 and "error: 2 malformed record(s)" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "p" / "manifest.json").exists()
 
 
-def test_prepared_with_another_tokenizer_is_refused(corpus, tmp_path, tokenizer_dir):
+def test_prepared_with_another_tokenizer_is_refused(duoka, in_process, corpus, tmp_path, tokenizer_dir):
     out = tmp_path / "p"
     assert duoka("prepare", "--data", str(corpus), "--out", str(out), "--tokenizer", str(tokenizer_dir)).returncode == 0
-    proc = duoka("train", f"--job.output_dir={tmp_path / 'run'}", f"--data.path={out}")
+    # The launcher refuses it before any worker starts: through the entry point in this
+    # process (a Python start would cost 4 s).
+    proc = in_process("train", f"--job.output_dir={tmp_path / 'run'}", f"--data.path={out}")
     assert proc.returncode == 2 and "was prepared with the tokenizer" in proc.stderr
 
 
-def test_parquet_input(tmp_path):
+def test_parquet_input(duoka, tmp_path):
     pa = pytest.importorskip("pyarrow")  # listed in the test extras; optional for users
     import pyarrow.parquet as pq
 

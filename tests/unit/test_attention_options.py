@@ -7,17 +7,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
-from torch.nn.attention import SDPBackend
 
 import duoka.models.qwen2.model as model_module
-from duoka.models.qwen2.args import ModelArgs
+from duoka.models.qwen2.args import ModelArgs, ModelOptions
 from duoka.models.qwen2.model import build_model, fusable, materialize
 
 ARGS = ModelArgs(vocab_size=97, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=96)
 
 
-def tiny_model(dtype=torch.float64):
-    model = materialize(build_model(ARGS), "cpu", dtype)
+def tiny_model(dtype=torch.float64, options=ModelOptions()):
+    model = materialize(build_model(ARGS, options), "cpu", dtype)
     model.init_weights(seed=3)
     with torch.no_grad():  # non-zero biases, so their gradients and the fused bias are exercised
         for name, p in model.named_parameters():
@@ -39,9 +38,7 @@ def test_fused_qkv_equals_separate_projections(monkeypatch):
     tokens = torch.randint(0, ARGS.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     results = {}
     for fuse in (True, False):
-        model = tiny_model()
-        for block in model.layers.values():
-            block.attention.fuse_qkv = fuse
+        model = tiny_model(options=ModelOptions(fuse_qkv=fuse))
         calls.clear()
         results[fuse] = loss_and_grads(model, tokens)
         assert len(calls) == (ARGS.n_layers if fuse else 0)  # the path under test really ran
@@ -74,15 +71,15 @@ def test_fusable_only_for_plain_linear_on_plain_tensors():
 def test_the_chosen_sdpa_kernel_is_applied_inside_the_forward():
     tokens = torch.randint(0, ARGS.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     model = tiny_model(torch.float32)
+    math_model = tiny_model(torch.float32, ModelOptions(sdpa_backend="math"))
+    efficient_model = tiny_model(torch.float32, ModelOptions(sdpa_backend="efficient"))
     with torch.no_grad():
         default = model(tokens)
-        model.set_sdpa_backend(SDPBackend.MATH)
-        assert torch.allclose(model(tokens), default, atol=1e-5)
+        assert torch.allclose(math_model(tokens), default, atol=1e-5)
         # The memory-efficient kernel has no CPU implementation: if the choice reaches SDPA,
         # there is no kernel left to run.
-        model.set_sdpa_backend(SDPBackend.EFFICIENT_ATTENTION)
         with pytest.raises(RuntimeError, match="No viable backend"):
-            model(tokens)
+            efficient_model(tokens)
 
 
 def test_flash_varlen_runs_in_the_autocast_dtype(monkeypatch):
@@ -115,13 +112,31 @@ def test_checkpointed_blocks_are_compiled_inside_their_wrapper():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     from duoka.config import load_config
-    from duoka.models.qwen2.parallelize import parallelize_qwen2
     from duoka.parallel.dims import ParallelDims
+    from duoka.parallel.parallelize import ParallelOptions, parallelize_qwen2
 
     cfg = load_config(overrides=["--training.activation_checkpointing=full", "--training.compile=true"])
-    model = build_model(ARGS)
-    parallelize_qwen2(model, ParallelDims.from_config(cfg.parallel, 1), None, cfg, torch.float32)
+    model = build_model(ARGS, ModelOptions(compile="block"))
+    options = ParallelOptions(compute_dtype=torch.float32, activation_checkpointing=True, float8="none",
+                              fsdp_blocks_per_unit=1, reshard_after_forward=True, ddp_bucket_mb=25)
+    parallelize_qwen2(model, ParallelDims.from_config(cfg.parallel, 1), None, options)
     for block in model.layers.values():
         assert isinstance(block, CheckpointWrapper)
         assert block._compiled_call_impl is None
-        assert block._checkpoint_wrapped_module._compiled_call_impl is not None
+        inner = block._checkpoint_wrapped_module
+        assert inner._body != inner._block  # the block's own body is the compiled region
+
+
+def test_a_compiled_block_body_computes_the_eager_model(monkeypatch):
+    """ModelOptions(compile="block"): built on meta, materialised and initialised, the model
+    keeps its parameter names and gives the eager loss and gradients; one graph serves
+    every block (a recompile per block would hit dynamo's limit on deep models)."""
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    tokens = torch.randint(0, ARGS.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    eager = tiny_model(torch.float32)
+    compiled = tiny_model(torch.float32, ModelOptions(compile="block"))
+    assert list(compiled.state_dict()) == list(eager.state_dict())  # no `_orig_mod.` prefixes
+    (loss, grads), (compiled_loss, compiled_grads) = (loss_and_grads(m, tokens) for m in (eager, compiled))
+    assert torch.allclose(compiled_loss, loss, rtol=1e-5)
+    for name, grad in grads.items():
+        assert torch.allclose(compiled_grads[name], grad, rtol=1e-4, atol=1e-5), name

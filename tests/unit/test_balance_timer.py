@@ -4,19 +4,22 @@ recorded instead of slept."""
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
-from duoka.parallel import balance
-from duoka.parallel.balance import BlockTimer
+from duoka.parallel import block_timer
+from duoka.parallel.block_timer import BlockTimer
 
 
 @pytest.fixture
 def timer(monkeypatch):
     slept: list[float] = []
-    monkeypatch.setattr(balance.time, "sleep", slept.append)
+    monkeypatch.setattr(block_timer.time, "sleep", slept.append)
     timer = BlockTimer(torch.device("cpu"), slow_factor=0.5)
     layer = torch.nn.Linear(4, 4)
-    layer.forward = timer.wrap(layer.forward)
-    timer.attach(layer)
+    timer.before_shard([layer])
+    timer.after_shard([layer])
 
     def step(forward_s: float, optimizer_s: float, samples: int = 2) -> None:
         layer(torch.randn(samples, 4, requires_grad=True)).sum().backward()
@@ -64,3 +67,38 @@ def test_one_stalled_step_does_not_size_the_next_slowdowns(timer):
     after = slowdowns(timer, 2)
     assert after[1] == pytest.approx(0.02)
     assert after[0] == pytest.approx(before[0], rel=0.5)
+
+
+def test_every_module_is_timed_forward_and_backward():
+    timer = BlockTimer(torch.device("cpu"))
+    layers = [torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]
+    timer.before_shard(layers)
+    timer.after_shard(layers)
+    x = torch.randn(3, 4, requires_grad=True)
+    layers[1](layers[0](x)).sum().backward()
+    assert [iv.key for iv in timer.intervals] == [(0, "forward"), (1, "forward"), (1, "backward"), (0, "backward")]
+    assert all(iv.batch == 3 for iv in timer.intervals)
+    total = sum(iv.end.seconds_since(iv.start) for iv in timer.intervals)
+    assert timer.step_seconds() == pytest.approx(total) and total > 0
+    assert timer.intervals == []
+
+
+def test_the_hooks_sit_inside_fsdp2s():
+    """The forward's start follows FSDP2's pre-forward hook (its all-gather wait) and its end
+    precedes FSDP2's post-forward hook; the backward's start hook is added after FSDP2's."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        timer = BlockTimer(torch.device("cpu"))
+        layer = torch.nn.Linear(4, 4)
+        timer.before_shard([layer])
+        fully_shard(layer, mesh=init_device_mesh("cpu", (1,)))
+        timer.after_shard([layer])
+        pre = [getattr(h, "func", h).__name__ for h in layer._forward_pre_hooks.values()]
+        post = [getattr(h, "func", h).__name__ for h in layer._forward_hooks.values()]
+        assert pre == ["_pre_forward", "_forward_start"]
+        assert post == ["_forward_end", "_post_forward", "_register_backward_start"]
+        layer(torch.randn(2, 4, requires_grad=True)).sum().backward()
+        assert [iv.key for iv in timer.intervals] == [(0, "forward"), (0, "backward")]
+    finally:
+        dist.destroy_process_group()

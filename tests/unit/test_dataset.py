@@ -86,15 +86,15 @@ def test_packed_forward_equals_separate_documents(backend):
     model computes on that token's document alone, whichever kernel applies the mask; two
     rows check that documents are told apart per row."""
     from duoka.data.dataset import document_layout
-    from duoka.models.qwen2.args import ModelArgs
+    from duoka.models.qwen2.args import ModelArgs, ModelOptions
     from duoka.models.qwen2.model import build_model, materialize
 
     args = ModelArgs(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_size=96,
                      tie_word_embeddings=False)
     device = "cuda" if backend == "varlen" else "cpu"
-    model = materialize(build_model(args), device, torch.bfloat16 if device == "cuda" else None)
+    model = materialize(build_model(args, ModelOptions(document_masking=backend)), device,
+                        torch.bfloat16 if device == "cuda" else None)
     model.init_weights(seed=1)
-    model.attention_backend = backend
     eot = 299
     g = torch.Generator().manual_seed(0)
     rows = []

@@ -1,7 +1,7 @@
 import pytest
 
 from duoka.errors import DuokaError
-from duoka.parallel.devices import GpuReading, device_env, select_gpus
+from duoka.parallel.devices import GpuReading, compute_dtype_name, device_env, select_gpus
 
 GPUS = [GpuReading(0, "GPU-aaa", "H200", 70000, 143771, 95), GpuReading(1, "GPU-bbb", "H200", 500, 143771, 0),
         GpuReading(2, "GPU-ccc", "H200", 300, 143771, 0), GpuReading(3, "GPU-ddd", "H200", 20000, 143771, 40)]
@@ -38,3 +38,12 @@ def test_bad_specs():
 
 def test_env_sets_pci_bus_order():
     assert device_env([0, 3]) == {"CUDA_DEVICE_ORDER": "PCI_BUS_ID", "CUDA_VISIBLE_DEVICES": "0,3"}
+
+
+def test_compute_dtype_name_resolves_auto_by_device():
+    assert compute_dtype_name("auto", "cuda") == "bfloat16"
+    assert compute_dtype_name("auto", "cpu") == "float32"
+    assert [compute_dtype_name(c, "cpu") for c in ("bf16", "bfloat16", "fp32", "float32", "float16")] == \
+        ["bfloat16", "bfloat16", "float32", "float32", "float16"]
+    with pytest.raises(ValueError, match="unknown dtype 'int8'"):
+        compute_dtype_name("int8", "cuda")

@@ -10,8 +10,7 @@ from torchao.float8.float8_linear import Float8Linear
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import FLAVORS
 from duoka.models.qwen2.model import build_model, materialize
-from duoka.models.qwen2.parallelize import convert_to_float8
-from duoka.train.trainer import check_float8
+from duoka.parallel.parallelize import check_float8, convert_to_float8
 
 
 def test_only_the_blocks_linear_layers_turn_float8():

@@ -60,16 +60,19 @@ def test_cached_and_uncached_paths_agree(hf_folder):
     uncached = gen.generate(prompt, params, use_cache=False)
     assert torch.equal(cached, uncached)
 
-    # Logits too, not just argmax: run the cache step by step against full forwards.
-    cache = model.new_cache(2, 9 + 30)
+    # Logits too, not just argmax: run the cache step by step against full forwards (made
+    # first: with the caches set up, every forward decodes into them).
     with torch.no_grad():
-        step_logits = model(prompt, positions=torch.arange(9), cache=cache)
-        assert torch.allclose(step_logits, model(prompt), rtol=1e-5, atol=1e-5)
-        seq = prompt
+        full = model(prompt)
+        seqs = [torch.cat([prompt, cached[:, : i + 1]], dim=1) for i in range(5)]
+        full_last = [model(seq)[:, -1] for seq in seqs]
+        model.setup_kv_cache(2, 9 + 30)
+        step_logits = model(prompt, positions=torch.arange(9))
+        assert torch.allclose(step_logits, full, rtol=1e-5, atol=1e-5)
         for i in range(5):
-            seq = torch.cat([seq, cached[:, i : i + 1]], dim=1)
-            one = model(cached[:, i : i + 1], positions=torch.tensor([9 + i]), cache=cache)[:, -1]
-            assert torch.allclose(one, model(seq)[:, -1], rtol=1e-5, atol=1e-5)
+            one = model(cached[:, i : i + 1], positions=torch.tensor([9 + i]))[:, -1]
+            assert torch.allclose(one, full_last[i], rtol=1e-5, atol=1e-5)
+        model.clear_kv_cache()
 
 
 def test_sampling_is_seeded_and_limits_work(hf_folder):

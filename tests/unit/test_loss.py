@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from duoka.train.loss import IGNORE_INDEX, chunked_cross_entropy
+from duoka.models.loss import IGNORE_INDEX, chunked_cross_entropy
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
@@ -49,7 +49,7 @@ def test_model_with_labels_returns_the_loss_of_its_logits():
 def test_compiled_chunk_equals_eager():
     """The torch.compile'd softmax pass (training.compile with the fused or plain loss)
     gives the eager values: loss, logit gradient, ignored tokens zero."""
-    from duoka.train.loss import compiled_cross_entropy_sum, cross_entropy_sum, loss_and_logit_grad
+    from duoka.models.loss import compiled_cross_entropy_sum, cross_entropy_sum, loss_and_logit_grad
 
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(37, 50, generator=g)
@@ -96,7 +96,7 @@ def test_under_bf16_autocast_with_fp32_master_weights():
 def test_compiled_loss_for_varying_micro_batches_compiles_once(monkeypatch):
     """Balanced shares change the micro-batch size; the compiled loss then serves every size
     from one graph (a recompile per size was a 3.9 s step on GPU) and equals the plain loss."""
-    from duoka.train.loss import compiled_cross_entropy_sum, cross_entropy_sum
+    from duoka.models.loss import compiled_cross_entropy_sum, cross_entropy_sum
 
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     g = torch.Generator().manual_seed(3)

@@ -4,9 +4,10 @@ import pytest
 
 from duoka.config import ParallelConfig
 from duoka.errors import DuokaError
-from duoka.models.qwen2.args import FLAVORS
-from duoka.models.qwen2.pipeline import build_stage_model, layer_counts, stage_ids
+from duoka.models.qwen2.args import FLAVORS, ModelOptions
+from duoka.models.qwen2.stages import layer_counts, stage_ids
 from duoka.parallel.dims import ParallelDims
+from duoka.parallel.pipeline import build_stage_model
 
 
 def dims(world, **kw):
@@ -61,18 +62,19 @@ def test_layer_splits():
 
 def test_stage_models_keep_names_and_the_tied_weight():
     args = FLAVORS["debug"]  # tied embeddings
-    first, last = (build_stage_model(args, s, [2, 2]) for s in (0, 1))
+    first, last = (build_stage_model(args, ModelOptions(), s, [2, 2]) for s in (0, 1))
     assert list(first.layers) == ["0", "1"] and list(last.layers) == ["2", "3"]
     assert first.output is None and first.norm is None and first.takes_tokens
     assert not last.takes_tokens and last.output.weight is last.tok_embeddings.weight
-    middle = build_stage_model(args, 1, [1, 2, 1])
+    middle = build_stage_model(args, ModelOptions(), 1, [1, 2, 1])
     assert middle.tok_embeddings is None and middle.output is None
 
 
 def test_measured_split_balances_the_timed_costs():
     import torch
 
-    from duoka.models.qwen2.pipeline import balanced_counts, measure_stage_costs
+    from duoka.models.qwen2.stages import balanced_counts
+    from duoka.parallel.pipeline import measure_stage_costs
 
     layer, head = measure_stage_costs(FLAVORS["debug"], 2, 32, torch.device("cpu"), torch.float32, repeats=2)
     assert layer > 0 and head > 0

@@ -143,7 +143,7 @@ def test_stage_split_matches_the_trainer():
     for layers, stages in ((28, 4), (80, 8), (24, 6), (28, 8)):
         counts = stage_layer_counts(layers, stages)
         assert sum(counts) == layers and min(counts) >= 0
-    pipeline = pytest.importorskip("duoka.models.qwen2.pipeline")
+    pipeline = pytest.importorskip("duoka.models.qwen2.stages")
     for name, stages in (("qwen2-7b", 4), ("qwen2-72b", 16), ("qwen2-0.5b", 3)):
         args = FLAVORS[name]
         assert stage_layer_counts(args.n_layers, stages) == pipeline.layer_counts(args, stages, "even")

@@ -24,19 +24,23 @@ def test_exit_is_not_held_by_an_idle_thread_pool():
 
 
 def test_worker_main_gives_sigterm_back(monkeypatch, tmp_path):
-    import duoka.train.trainer as trainer_module
+    import torch
 
-    class QuickTrainer:  # installs its handler as the real trainer does, then has nothing to train
-        def __init__(self, spec):
-            self.stop_requested = False
-            signal.signal(signal.SIGTERM, lambda signum, frame: None)
+    import duoka.train.worker as worker_module
+    from duoka.train.spec import RunSpec
+
+    class QuickTrainer:  # training happens while the worker's SIGTERM handler is installed
+        def __init__(self, spec, device, stop):
+            assert signal.getsignal(signal.SIGTERM) is not before
 
         def train(self):
             pass
 
-    monkeypatch.setattr(trainer_module, "Trainer", QuickTrainer)
+    monkeypatch.setattr(worker_module, "Trainer", QuickTrainer)
+    monkeypatch.setattr(worker_module, "init_distributed", lambda: torch.device("cpu"))
     before = signal.getsignal(signal.SIGTERM)
-    spec = trainer_module.WorkerSpec(config={}, run_dir=str(tmp_path), model_args={}, model_dir=None,
-                                     token_file=None, tokenizer_files=[])
-    trainer_module.worker_main(spec)
+    spec = RunSpec(config={}, run_dir=str(tmp_path), model_args={}, world_size=1, model_dir=None, token_file=None,
+                   tokenizer_files=(), end_of_text=None, resume_from=None, resume_step=0, micro_batch=1,
+                   fsdp_blocks_per_unit=1, stage_layers=None)
+    worker_module.worker_main(spec)
     assert signal.getsignal(signal.SIGTERM) is before

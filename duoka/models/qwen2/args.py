@@ -93,6 +93,41 @@ class ModelArgs:
         return 6 * self.matmul_params() + 12 * self.n_layers * self.n_heads * self.resolved_head_dim * seq_len
 
 
+DOCUMENT_MASKING = ("sdpa", "flex", "varlen")
+SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
+COMPILE_MODES = ("none", "block", "parts")
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """How a model instance runs (its kernels), not what it computes (that is ModelArgs):
+    every choice here gives the same function, so checkpoints do not depend on them."""
+
+    document_masking: str = "sdpa"
+    """How packed documents are masked: "sdpa" (dense mask), "flex" (block mask) or
+    "varlen" (flash attention over the concatenated documents, CUDA only)."""
+    sdpa_backend: str | None = None
+    """The one SDPA kernel for causal attention: None (PyTorch's order), "flash", "cudnn",
+    "efficient" or "math"."""
+    fuse_qkv: bool = True
+    """q, k and v from one matmul over their concatenated weights where the layers allow it."""
+    compile: str = "none"
+    """"none"; "block": each decoder block's body is one compiled graph; "parts": the
+    attention and MLP bodies each (tensor parallelism, whose module hooks must stay eager)."""
+    compile_loss: bool = False
+    """The fused chunked loss's per-chunk softmax pass compiled."""
+
+    def __post_init__(self):
+        for name, value, allowed in (("document_masking", self.document_masking, DOCUMENT_MASKING),
+                                     ("sdpa_backend", self.sdpa_backend, (None, *SDPA_BACKENDS)),
+                                     ("compile", self.compile, COMPILE_MODES)):
+            if value not in allowed:
+                raise DuokaError(f"model option {name}={value!r} is not one of {allowed}")
+
+    def replace(self, **changes: Any) -> "ModelOptions":
+        return dataclasses.replace(self, **changes)
+
+
 def _flavor(**kw) -> ModelArgs:
     return ModelArgs(bos_token_id=151643, eos_token_id=151643, **kw)
 

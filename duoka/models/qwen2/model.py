@@ -2,9 +2,10 @@
 
 Numerically the same model as transformers' Qwen2ForCausalLM (checked in
 tests/unit/test_parity.py), laid out for parallelism the torchtitan way: no process
-groups inside, layers in a ModuleDict with string keys (pipeline stages delete the ones
-they do not own), built on the meta device and then materialised with `to_empty` +
-`init_weights`, or filled from a checkpoint.
+groups inside, layers in a ModuleDict with string keys (a pipeline stage builds only the
+ones it owns, under their global names), built on the meta device and then materialised
+with `to_empty` + `init_weights`, or filled from a checkpoint. How it runs (attention
+kernels, fused projections, compiled bodies) is fixed at construction by ModelOptions.
 
 Architecture (Qwen2 technical report, arXiv:2407.10671): pre-norm decoder blocks with
 RMSNorm, grouped-query attention with biases on q/k/v, rotary position embeddings
@@ -25,7 +26,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from duoka.models.qwen2.args import ModelArgs
+from duoka.models.compile import compiled
+from duoka.models.loss import chunked_cross_entropy
+from duoka.models.qwen2.args import DOCUMENT_MASKING, ModelArgs, ModelOptions
 
 
 def write_full_(param: torch.Tensor, full: torch.Tensor) -> None:
@@ -81,41 +84,41 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
-class KVCache:
-    """Static key/value cache for one sequence batch (gpt-fast style).
+class KVCache(nn.Module):
+    """One attention layer's static key/value cache (gpt-fast style).
 
-    Buffers are allocated once at [batch, kv_heads, max_len, head_dim] per layer and
-    written in place at the decoded positions; attention always reads the full buffer
-    under a position mask. Shapes therefore never change from step to step, which keeps
-    a compiled or CUDA-graph-captured decode step valid for the whole generation."""
+    Buffers are allocated once at [batch, kv_heads, max_len, head_dim] and written in
+    place at the decoded positions; attention always reads the full buffer under a
+    position mask. Shapes therefore never change from step to step, which keeps a compiled
+    or CUDA-graph-captured decode step valid for the whole generation. The buffers are not
+    persistent: a cache never enters a state_dict."""
 
-    def __init__(self, args: ModelArgs, layer_names, batch: int, max_len: int, device, dtype):
-        shape = (batch, args.n_kv_heads, max_len, args.resolved_head_dim)
-        self.max_len = max_len
-        self.k = {name: torch.zeros(shape, device=device, dtype=dtype) for name in layer_names}
-        self.v = {name: torch.zeros(shape, device=device, dtype=dtype) for name in layer_names}
-        self.key_positions = torch.arange(max_len, device=device)
+    def __init__(self, batch: int, max_len: int, n_kv_heads: int, head_dim: int, device, dtype):
+        super().__init__()
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
 
-    def update(self, layer: str, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        self.k[layer].index_copy_(2, input_pos, k)
-        self.v[layer].index_copy_(2, input_pos, v)
-        return self.k[layer], self.v[layer]
+    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        self.k.index_copy_(2, input_pos, k)
+        self.v.index_copy_(2, input_pos, v)
+        return self.k, self.v
 
-    def mask(self, input_pos: torch.Tensor) -> torch.Tensor:
-        """[query, key] boolean: a query at position p sees keys at positions <= p."""
-        return self.key_positions[None, :] <= input_pos[:, None]
+
+def cache_mask(input_pos: torch.Tensor, max_len: int) -> torch.Tensor:
+    """[query, key] boolean over a cache of max_len: a query at position p sees keys at positions <= p."""
+    return torch.arange(max_len, device=input_pos.device)[None, :] <= input_pos[:, None]
 
 
 # ---------------------------------------------------------------- document masking
 # Packed pretraining windows hold several documents; a token attends only to earlier
 # tokens of its own document. Three exact ways to run that, chosen by
-# Qwen2.attention_backend (measured on H200 in bench/results/attention_masking.md):
+# ModelOptions.document_masking (bench/results/attention_masking.md compares them):
 #   sdpa:   a dense [batch, 1, seq, seq] boolean mask. Runs anywhere, but a mask rules out
 #           the flash kernel, and the memory-efficient one still reads the mask.
 #   flex:   flex attention with a block mask: fully masked tiles are skipped, so the cost
 #           falls with the document length. Its kernel is generated by torch.compile.
 #   varlen: flash attention over the concatenated documents (cumulative lengths), CUDA only.
-DOCUMENT_MASK_BACKENDS = ("sdpa", "flex", "varlen")
 
 
 @dataclass
@@ -152,25 +155,19 @@ def document_mask(document_ids: torch.Tensor, backend: str, cu_seqlens: torch.Te
     if backend == "varlen":
         # The longest document is bounded by seq without looking at the data (no sync).
         return Varlen(document_starts(document_ids) if cu_seqlens is None else cu_seqlens, seq)
-    raise ValueError(f"unknown attention backend {backend!r}; choose one of {DOCUMENT_MASK_BACKENDS}")
-
-
-_compiled_flex = None
+    raise ValueError(f"unknown attention backend {backend!r}; choose one of {DOCUMENT_MASKING}")
 
 
 def _flex(q: torch.Tensor):
     """flex attention must be compiled to run its fused kernel on GPU; on CPU (tests) the
     eager reference implementation is exact and needs no compiler."""
-    global _compiled_flex
-    if q.device.type != "cuda":
-        return flex_attention
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex
+    return compiled(flex_attention, dynamic=False) if q.device.type == "cuda" else flex_attention
 
 
 def _varlen_attention(q, k, v, mask: Varlen) -> torch.Tensor:
     """q, k, v: [batch, heads, seq, head_dim] -> [batch, seq, heads, head_dim]."""
+    # Imported on first use: the module imports torch._dynamo, a second of start-up for
+    # every process that never runs varlen (generation, CPU training).
     from torch.nn.attention.varlen import varlen_attn
 
     bsz, n_heads, seq, head_dim = q.shape
@@ -205,16 +202,31 @@ def fused_linear(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ..
     concatenated weights. The parameters stay separate (checkpoints, TP plans and FSDP2
     units see the usual layout); only the product is shared. It pays where a layer is
     narrow: Qwen2's key and value projections have 2-4 KV heads (256 outputs at 1.5B),
-    too few columns to fill an H200 alone, in the forward and in both backward products
-    (bench/NOTES.md section 15). Each output column is the same dot product as before.
+    too few columns to fill a large GPU alone, in the forward and in both backward products.
+    Each output column is the same dot product as before.
     The outputs are views of one buffer."""
     weight = torch.cat([layer.weight for layer in linears])
     bias = None if linears[0].bias is None else torch.cat([layer.bias for layer in linears])
     return F.linear(x, weight, bias).split([layer.weight.shape[0] for layer in linears], dim=-1)
 
 
+SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+
+
+def compiled_body(body, compile: bool):
+    """`body` (a bound method holding a module's computation) as one fullgraph torch.compile
+    region, or as it is. The module's forward calls it, so the hooks of that module
+    (FSDP2's, tensor parallelism's, timers) and any wrapper around it stay outside the
+    graph, and parameter names keep no `_orig_mod.` prefix."""
+    return torch.compile(body, fullgraph=True) if compile else body
+
+
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """Grouped-query attention. Only x is positional in forward: the tensor-parallel plan
+    lays out the first positional input and passes keyword arguments through untouched."""
+
+    def __init__(self, args: ModelArgs, options: ModelOptions = ModelOptions()):
         super().__init__()
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
@@ -223,20 +235,29 @@ class Attention(nn.Module):
         self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=True)
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=True)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
-        self.fuse_qkv = True  # q, k and v from one matmul where fusable(); see fused_linear
-        # The one SDPA kernel for causal attention (None: PyTorch's choice). Set inside the
-        # forward, so torch.compile records it in the graph (see Qwen2.set_sdpa_backend).
-        self.sdpa_backend: SDPBackend | None = None
+        self.fuse_qkv = options.fuse_qkv  # q, k and v from one matmul where fusable(); see fused_linear
+        # The one SDPA kernel for causal attention (None: PyTorch's choice), applied with
+        # sdpa_kernel() inside the forward: torch.compile bakes a context manager's backend
+        # into the graph and its cache key, but not the process-wide switches.
+        self.sdpa_backend = SDPA_BACKENDS[options.sdpa_backend] if options.sdpa_backend else None
+        self.kv_cache: KVCache | None = None  # set by Qwen2.setup_kv_cache for generation
+        self._body = compiled_body(self._attend, options.compile == "parts")
 
-    def forward(self, x, cos, sin, cache: KVCache | None = None, layer: str = "", input_pos=None, mask=None):
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask=None,
+                input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        """x [batch, seq, dim]; rope: (cos, sin); mask: None (causal), a document mask or a
+        cache mask; input_pos: the cache positions of x's tokens when a cache is set up."""
+        return self._body(x, rope, mask, input_pos)
+
+    def _attend(self, x, rope, mask, input_pos):
         bsz, seqlen, _ = x.shape
+        cos, sin = rope
         # -1 instead of the head count keeps this module correct when tensor parallelism
         # has sharded the projections and each rank holds only its share of the heads.
         if self.fuse_qkv and fusable(self.wq, self.wk, self.wv):
             q, k, v = fused_linear(x, self.wq, self.wk, self.wv)
             # Attention keeps v for its backward; as a view it would keep the whole q/k/v
-            # buffer alive (1.5 GiB more at 1.5B, micro-batch 8). q and k are replaced by
-            # their rotated copies below.
+            # buffer alive. q and k are replaced by their rotated copies below.
             v = v.contiguous()
         else:
             q, k, v = self.wq(x), self.wk(x), self.wv(x)
@@ -245,8 +266,8 @@ class Attention(nn.Module):
         v = v.view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = q.shape[1] != k.shape[1]
-        if cache is not None:
-            k, v = cache.update(layer, input_pos, k, v)
+        if self.kv_cache is not None:
+            k, v = self.kv_cache.update(input_pos, k, v)
         if mask is None:  # plain causal attention: the fused kernels' fast path
             with sdpa_kernel(self.sdpa_backend) if self.sdpa_backend is not None else contextlib.nullcontext():
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -262,60 +283,79 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x); w1 is HF's gate_proj, w3 up_proj, w2 down_proj."""
 
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, options: ModelOptions = ModelOptions()):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
+        self._body = compiled_body(self._mlp, options.compile == "parts")
 
-    def forward(self, x):
-        # Gate and up are wide enough to fill the GPU alone: one matmul over both was
-        # slower (bench/NOTES.md section 15).
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._body(x)
+
+    def _mlp(self, x):
+        # Gate and up stay two matmuls: each is wide enough to fill the GPU alone, and one
+        # matmul over both was slower.
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, options: ModelOptions = ModelOptions()):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = Attention(args, options)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.intermediate_size)
+        self.feed_forward = FeedForward(args.dim, args.intermediate_size, options)
+        self._body = compiled_body(self._block, options.compile == "block")
 
-    def forward(self, x, cos, sin, cache=None, layer="", input_pos=None, mask=None):
-        x = x + self.attention(self.attention_norm(x), cos, sin, cache, layer, input_pos, mask)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask=None,
+                input_pos: torch.Tensor | None = None) -> torch.Tensor:
+        return self._body(x, rope, mask, input_pos)
+
+    def _block(self, x, rope, mask, input_pos):
+        x = x + self.attention(self.attention_norm(x), rope=rope, mask=mask, input_pos=input_pos)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+@dataclass(frozen=True)
+class StageSlice:
+    """What one pipeline stage of the model holds: decoder layers [start, stop) under their
+    global names; the embedding on the first stage; the final norm and head on the last,
+    and there, for a tied model, the embedding too as the home of the shared weight."""
+    start: int
+    stop: int
+    first: bool
+    last: bool
+
+
 class Qwen2(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, options: ModelOptions = ModelOptions(), stage: StageSlice | None = None):
         super().__init__()
         self.args = args
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.attention_backend = "sdpa"  # how packed documents are masked, see document_mask
-        self.compile_loss = False  # forward(labels=...): compile the chunked loss (set with training.compile)
-        # False for pipeline stages after the first (duoka.models.qwen2.pipeline); the last
-        # stage of a tied model keeps tok_embeddings only as the home of the shared weight.
-        self.takes_tokens = True
+        self.options = options
+        self.stage = stage
+        start, stop = (0, args.n_layers) if stage is None else (stage.start, stage.stop)
+        first = stage is None or stage.first
+        last = stage is None or stage.last
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) \
+            if first or (last and args.tie_word_embeddings) else None
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, options) for i in range(start, stop)})
+        self.norm = RMSNorm(args.dim, args.norm_eps) if last else None
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if last else None
+        self.kv_cache_len = 0  # the caches' length while setup_kv_cache's caches are in place
         self.tie_weights()
+
+    @property
+    def takes_tokens(self) -> bool:
+        """False for pipeline stages after the first: they receive the previous stage's
+        hidden states (a tied last stage holds the embedding without calling it)."""
+        return self.stage is None or self.stage.first
 
     def tie_weights(self):
         """Share the embedding with the output head (Qwen2 <= 3B). Call again after any
         operation that replaces parameters (to_empty, load_state_dict(assign=True))."""
         if self.args.tie_word_embeddings and self.tok_embeddings is not None and self.output is not None:
             self.output.weight = self.tok_embeddings.weight
-
-    def set_sdpa_backend(self, backend: SDPBackend | None) -> None:
-        """Restrict causal attention to one SDPA kernel (training.attention_kernel). It is
-        applied with sdpa_kernel() inside each Attention forward rather than through the
-        process-wide switches alone, because torch.compile bakes a context manager's
-        backend into the traced graph, and so into its cache key, but not the switches."""
-        for module in self.modules():
-            if isinstance(module, Attention):
-                module.sdpa_backend = backend
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0):
@@ -347,52 +387,63 @@ class Qwen2(nn.Module):
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor | None = None,
-        cache: KVCache | None = None,
         document_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens: [batch, seq] -> logits [batch, seq, vocab] in the compute dtype, or with
         labels [batch, seq] the summed fp32 cross-entropy, computed chunk by chunk with the
-        output head so the logits are never materialised (duoka.train.loss).
+        output head so the logits are never materialised (duoka.models.loss).
 
-        positions: [seq] or [batch, seq]; defaults to 0..seq-1. With a cache, positions
-        are where the tokens go in the cache (a [seq] tensor), and every query attends to
-        all cached keys at or before its own position. document_ids: [batch, seq] for
-        packed sequences: a token attends only to earlier tokens of its own document (give
-        positions restarting per document too, see duoka.data.dataset.document_layout).
-        cu_seqlens: document_starts(document_ids) precomputed, for the varlen backend."""
-        # A later pipeline stage receives the previous stage's hidden states instead of tokens.
+        positions: [seq] or [batch, seq]; defaults to 0..seq-1. With caches set up
+        (setup_kv_cache), positions are where the tokens go in the caches (a [seq] tensor),
+        and every query attends to all cached keys at or before its own position.
+        document_ids: [batch, seq] for packed sequences: a token attends only to earlier
+        tokens of its own document (give positions restarting per document too, see
+        duoka.data.dataset.document_layout). cu_seqlens: document_starts(document_ids)
+        precomputed, for the varlen backend."""
         h = self.tok_embeddings(tokens) if self.takes_tokens else tokens
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=h.device)
-        cos, sin = rope_cos_sin(positions, self.args.resolved_head_dim, self.args.rope_theta, h.dtype)
-        mask = None
-        if cache is not None:
-            mask = cache.mask(positions)
+        rope = rope_cos_sin(positions, self.args.resolved_head_dim, self.args.rope_theta, h.dtype)
+        mask, input_pos = None, None
+        if self.kv_cache_len:
+            mask, input_pos = cache_mask(positions, self.kv_cache_len), positions
         elif document_ids is not None:
-            mask = document_mask(document_ids, self.attention_backend, cu_seqlens)
-        for name, layer in self.layers.items():
-            h = layer(h, cos, sin, cache, name, positions, mask)
+            mask = document_mask(document_ids, self.options.document_masking, cu_seqlens)
+        for layer in self.layers.values():
+            h = layer(h, rope, mask=mask, input_pos=input_pos)
         if self.norm is not None:
             h = self.norm(h)
         if labels is not None:
-            from duoka.train.loss import chunked_cross_entropy
-
-            return chunked_cross_entropy(h, self.output.weight, labels, compiled=self.compile_loss)
+            return chunked_cross_entropy(h, self.output.weight, labels, compiled=self.options.compile_loss)
         return self.output(h) if self.output is not None else h
 
-    def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> KVCache:
-        p = self.tok_embeddings.weight
-        return KVCache(self.args, list(self.layers.keys()), batch, max_len, device or p.device, dtype or p.dtype)
+    def setup_kv_cache(self, batch: int, max_len: int, device=None, dtype=None) -> None:
+        """Give every attention layer a static KV cache of max_len positions (device and
+        dtype default to the parameters'); forward then decodes into them."""
+        p = next(self.parameters())
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.kv_cache = KVCache(batch, max_len, self.args.n_kv_heads, self.args.resolved_head_dim,
+                                          device or p.device, dtype or p.dtype)
+        self.kv_cache_len = max_len
+
+    def clear_kv_cache(self) -> None:
+        """Drop the caches: forward is the plain (training and scoring) forward again."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.kv_cache = None
+        self.kv_cache_len = 0
 
 
-def build_model(args: ModelArgs, device: str | torch.device = "meta", dtype: torch.dtype | None = None) -> Qwen2:
+def build_model(args: ModelArgs, options: ModelOptions = ModelOptions(), device: str | torch.device = "meta",
+                dtype: torch.dtype | None = None, stage: StageSlice | None = None) -> Qwen2:
     """Build with uninitialised storage on `device` (meta by default: no memory at all).
 
     On a real device call `init_weights()` or load a checkpoint next."""
     with torch.device(device):
-        model = Qwen2(args)
+        model = Qwen2(args, options, stage)
     if dtype is not None:
         model.to(dtype)
     return model

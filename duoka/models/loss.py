@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from duoka.models.compile import compiled as compiled_fn
+
 IGNORE_INDEX = -100
 CHUNK_TOKENS = {True: 4096, False: 1024}  # compiled: no fp32 temporaries; eager: ~4 fp32 [chunk, vocab] live
 
@@ -37,18 +39,10 @@ def loss_and_logit_grad(logits: torch.Tensor, labels: torch.Tensor) -> tuple[tor
     return loss, grad.to(logits.dtype)
 
 
-_compiled = None
-
-
 def _chunk_fn(compiled: bool):
-    global _compiled
-    if not compiled:
-        return loss_and_logit_grad
-    if _compiled is None:
-        # dynamic=False: the chunk shape is fixed except for a shorter last chunk (one
-        # more specialisation), and static shapes give the best kernels.
-        _compiled = torch.compile(loss_and_logit_grad, dynamic=False)
-    return _compiled
+    # dynamic=False: the chunk shape is fixed except for a shorter last chunk (one more
+    # specialisation), and static shapes give the best kernels.
+    return compiled_fn(loss_and_logit_grad, dynamic=False) if compiled else loss_and_logit_grad
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -104,9 +98,6 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX)
 
 
-_compiled_plain: dict[bool, object] = {}
-
-
 def _cross_entropy_sum_any_batch(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     # A code object of its own: torch.compile caches graphs per code object, so compiling
     # cross_entropy_sum itself both ways would make the two variants meet each other's guards.
@@ -118,16 +109,9 @@ def compiled_cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, varyi
     log-softmax are fused away; backward recomputes the softmax from the bf16 logits.
 
     `varying_batch` (balanced shares: micro-batches of changing sizes) compiles one graph
-    with a dynamic batch dimension. The static one recompiled for every new size: two
-    recompiles, a 3.9 s step, at each change of shares on 2 x H200 (balance run 10)."""
-    compiled = _compiled_plain.get(varying_batch)
-    if compiled is None:
-        if varying_batch:
-            compiled = torch.compile(_cross_entropy_sum_any_batch, dynamic=None)
-        else:
-            compiled = torch.compile(cross_entropy_sum, dynamic=False)
-        _compiled_plain[varying_batch] = compiled
-    if varying_batch:
-        torch._dynamo.maybe_mark_dynamic(logits, 0)
-        torch._dynamo.maybe_mark_dynamic(labels, 0)
-    return compiled(logits, labels)
+    with a dynamic batch dimension, since a static graph would recompile at every new size."""
+    if not varying_batch:
+        return compiled_fn(cross_entropy_sum, dynamic=False)(logits, labels)
+    torch._dynamo.maybe_mark_dynamic(logits, 0)
+    torch._dynamo.maybe_mark_dynamic(labels, 0)
+    return compiled_fn(_cross_entropy_sum_any_batch, dynamic=None)(logits, labels)

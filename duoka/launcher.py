@@ -17,38 +17,16 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import signal
-import socket
 import time
 import uuid
 from dataclasses import asdict
 from pathlib import Path
 
+from duoka import runtime
 from duoka.config import Config, load_config, to_toml
 from duoka.errors import DuokaError
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def port_is_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host if host not in ("localhost",) else "127.0.0.1", port))
-            return True
-        except OSError:
-            return False
-
-
-def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not port.isdigit() or not host:
-        raise DuokaError(f"--rdzv-endpoint {endpoint!r} is not HOST:PORT", "write e.g. --rdzv-endpoint node0:29500")
-    return host, int(port)
+from duoka.parallel.ports import free_port, parse_endpoint, port_is_free
+from duoka.train.spec import STOPPED_MARKER, RunSpec
 
 
 def resolve_model(cfg: Config):
@@ -136,31 +114,44 @@ def launch_training(
     if not gpu_list:
         read_gpus()  # raises if PyTorch sees GPUs that NVML could not list
 
+    # Imports that load torch come after the worker server has started: its own import of
+    # torch then overlaps this process's.
     from duoka.data.dataset import RANDOM_DATA, PackedWindows, end_of_text_id, tokenize_corpus
     from duoka.data.prepare import MANIFEST, is_prepared
     from duoka.data.sft import prepare_sft
     from duoka.data.tokenizer import Tokenizer
     from duoka.hub import bundled_corpus
+    from duoka.models.qwen2.stages import layer_counts
     from duoka.parallel.balance import check_config as check_balance_config
     from duoka.parallel.dims import ParallelDims
+    from duoka.parallel.parallelize import check_float8
+    from duoka.plan.memory import auto_blocks_per_unit
     from duoka.train.checkpoint import find_resume_checkpoint, read_train_state
-    from duoka.train.optim import plan_batch
-    from duoka.train.trainer import WorkerSpec, check_float8
+    from duoka.train.optim import pipeline_microbatches, plan_batch
 
-    # Everything a worker would otherwise discover late.
+    # Everything a worker would otherwise discover late, resolved once.
     args, model_dir, tokenizer_dir = resolve_model(cfg)
     dims = ParallelDims.from_config(cfg.parallel, world)
     dims.check_model(args.n_heads, args.n_kv_heads, args.n_layers, cfg.parallel.pp_stages_per_rank)
     check_balance_config(cfg.parallel, cfg.debug, dims.model_parallel, dims.tp, dims.pp, dims.dp_size, world)
     check_float8(cfg.training.float8, dims.tp)
+    stage_layers = None
     if dims.pp > 1 and cfg.parallel.pp_layers != "measured":
-        from duoka.models.qwen2.pipeline import layer_counts
-
-        layer_counts(args, dims.pp * cfg.parallel.pp_stages_per_rank, cfg.parallel.pp_layers, cfg.training.seq_len)
+        stage_layers = tuple(layer_counts(args, dims.pp * cfg.parallel.pp_stages_per_rank, cfg.parallel.pp_layers,
+                                          cfg.training.seq_len))
+    micro_batch = blocks_per_unit = None
     if cfg.training.micro_batch_size != "auto":
-        plan_batch(cfg.training.global_batch_size, dims.dp_size, cfg.training.micro_batch_size)
+        micro_batch = cfg.training.micro_batch_size
+        batch = plan_batch(cfg.training.global_batch_size, dims.dp_size, micro_batch)
+        if dims.pp > 1:
+            pipeline_microbatches(cfg, batch.per_rank, batch.accumulation)
     elif cfg.training.global_batch_size % dims.dp_size:
         plan_batch(cfg.training.global_batch_size, dims.dp_size, 1)
+    if cfg.parallel.fsdp_blocks_per_unit != -1:
+        blocks_per_unit = cfg.parallel.fsdp_blocks_per_unit
+    elif micro_batch is not None:
+        blocks_per_unit = auto_blocks_per_unit(args, micro_batch, cfg.training.seq_len, dims.tp,
+                                               cfg.parallel.reshard_after_forward and dims.pp == 1)
     if cfg.training.seq_len > args.max_seq_len:
         raise DuokaError(f"training.seq_len={cfg.training.seq_len} exceeds the model's {args.max_seq_len} positions",
                          f"use training.seq_len <= {args.max_seq_len}")
@@ -212,22 +203,24 @@ def launch_training(
     run_dir = run_directory(cfg, node_rank)
     cfg.job.output_dir = str(run_dir)
     resume_from = find_resume_checkpoint(run_dir, cfg.checkpoint.resume)
+    resume_step = 0
     if resume_from is not None:
-        done = read_train_state(resume_from)["step"]
-        if done > cfg.training.steps:
-            raise DuokaError(f"{resume_from} is at step {done}, past training.steps={cfg.training.steps}",
-                             f"raise training.steps above {done} to train further")
-        log(f"duoka: resuming from {resume_from} (step {done})")
+        resume_step = read_train_state(resume_from)["step"]
+        if resume_step > cfg.training.steps:
+            raise DuokaError(f"{resume_from} is at step {resume_step}, past training.steps={cfg.training.steps}",
+                             f"raise training.steps above {resume_step} to train further")
+        log(f"duoka: resuming from {resume_from} (step {resume_step})")
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in run_dir.glob("error-rank*.json"):
         stale.unlink()
     if node_rank == 0:
         (run_dir / "config.toml").write_text(to_toml(cfg))
 
-    spec = WorkerSpec(config=cfg.to_dict(), run_dir=str(run_dir), model_args=asdict(args),
-                      model_dir=str(model_dir) if model_dir else None, token_file=token_file,
-                      tokenizer_files=tokenizer_files, resume_from=str(resume_from) if resume_from else None,
-                      end_of_text=end_of_text)
+    spec = RunSpec(config=cfg.to_dict(), run_dir=str(run_dir), model_args=asdict(args), world_size=world,
+                   model_dir=str(model_dir) if model_dir else None, token_file=token_file,
+                   tokenizer_files=tuple(tokenizer_files), end_of_text=end_of_text,
+                   resume_from=str(resume_from) if resume_from else None, resume_step=resume_step,
+                   micro_batch=micro_batch, fsdp_blocks_per_unit=blocks_per_unit, stage_layers=stage_layers)
     log(f"duoka: {world} process(es) ({nnodes} node(s) x {nproc_per_node}), run directory {run_dir}")
     _run_workers(spec, nproc_per_node, nnodes, node_rank, rdzv_endpoint, log)
     stopped = run_dir / STOPPED_MARKER
@@ -235,9 +228,6 @@ def launch_training(
         stopped.unlink()
         raise TrainingStopped(run_dir)
     return run_dir
-
-
-STOPPED_MARKER = "STOPPED"
 
 
 class TrainingStopped(Exception):
@@ -255,7 +245,7 @@ def _tokenizer_files(folder: Path) -> list[str]:
 
 
 def _run_workers(spec, nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None, log) -> None:
-    from duoka.train.trainer import worker_main
+    from duoka.train.worker import worker_main
 
     if nnodes == 1 and nproc_per_node == 1:
         # One process: run in this one, no agent to start (faster, and debuggers work).
@@ -310,22 +300,8 @@ def _run_workers(spec, nproc_per_node: int, nnodes: int, node_rank: int, rdzv_en
 
 
 def _stop_worker_server() -> None:
-    """End the worker server once the agent has returned (its workers have all exited).
-    Left alone it lives until it notices this process's exit and then spends ~1 s in
-    torch's teardown, holding this process's stdout and stderr open: whoever reads them to
-    the end (a script, a test) waits for it, ~1.3 s a launch on 2 CPU cores. multiprocessing
-    has no public call for this; _stop() alone would wait for that teardown."""
-    from multiprocessing import forkserver
-
-    server = forkserver._forkserver
-    pid = getattr(server, "_forkserver_pid", None)
-    if pid is None:
-        return
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    server._stop()  # reaps it and forgets it, so a later launch in this process starts a new one
+    """End the worker server once the agent has returned (its workers have all exited)."""
+    runtime.stop_forkserver()
 
 
 def _start_worker_server() -> None:
@@ -338,7 +314,7 @@ def _start_worker_server() -> None:
     import multiprocessing
     from multiprocessing import forkserver
 
-    multiprocessing.set_forkserver_preload(["duoka.train.trainer"])
+    multiprocessing.set_forkserver_preload(["duoka.train.worker"])
     forkserver.ensure_running()
     # A launch that fails before its workers start (a config or data error found after
     # this) ends the server on the way out, as _run_workers does after its workers.

@@ -1,0 +1,216 @@
+"""Apply the parallel layout to a meta-built Qwen2 (or one pipeline stage of it), in
+torchtitan's order: float8 -> tensor parallel plan -> activation checkpointing -> the
+caller's module hooks -> FSDP2 (per unit of blocks, then the root) or DDP.
+
+The model itself stays a plain module configured at construction (ModelOptions: kernels,
+compiled bodies); everything distributed happens here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.nn.parallel import DistributedDataParallel
+
+from duoka.errors import DuokaError
+from duoka.models.qwen2.model import Qwen2
+from duoka.parallel.dims import ParallelDims
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """The resolved training choices that shape the layout (the launcher resolved them)."""
+    compute_dtype: torch.dtype
+    activation_checkpointing: bool
+    float8: str  # "none" | "tensorwise" | "rowwise"
+    fsdp_blocks_per_unit: int  # 0: one FSDP2 unit for all blocks; n >= 1: n consecutive blocks per unit
+    reshard_after_forward: bool
+    ddp_bucket_mb: int
+
+
+class ModuleHooks(Protocol):
+    """Hooks on the timed modules (timed_modules), e.g. the load balancer's block timer:
+    before_shard registers what must run before FSDP2's hooks, after_shard what must run after."""
+
+    def before_shard(self, modules: list[nn.Module]) -> None: ...
+
+    def after_shard(self, modules: list[nn.Module]) -> None: ...
+
+
+def apply_tensor_parallel(model: Qwen2, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style tensor parallelism with sequence parallelism (Korthikanti et al.
+    2022, arXiv:2205.05198) on DTensor: q/k/v and gate/up projections split by output
+    columns (whole heads per rank, QKV biases with them), o and down projections by input
+    rows; between them the residual stream stays sharded on the sequence, and the norms run
+    on their sequence shard. The output head is split by vocabulary and its logits stay
+    sharded: the loss runs under `loss_parallel` and never gathers them."""
+    plan = {}
+    if model.tok_embeddings is not None and model.takes_tokens:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    elif model.tok_embeddings is not None:  # a last pipeline stage holding the tied weight only
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if model.norm is not None:
+        plan["norm"] = SequenceParallel()
+    if model.output is not None:
+        plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
+    parallelize_module(model, tp_mesh, plan)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            # x is the attention's only positional input; rope, mask and input_pos are
+            # keyword arguments, which PrepareModuleInput passes through untouched.
+            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    # Both the embedding (rowwise) and the head (colwise) shard the [vocab, dim] weight on
+    # the vocabulary: the tied weight keeps one layout, so re-tying after the plan is safe.
+    model.tie_weights()
+
+
+def check_float8(recipe: str, tp: int, device: torch.device | None = None) -> None:
+    """training.float8: refuse what cannot run. The launcher asks without a device (before
+    any worker starts), each worker again with its GPU."""
+    if recipe == "none":
+        return
+    if tp > 1:
+        raise DuokaError(f"training.float8={recipe} is not supported with tensor parallelism (parallel.tp={tp})",
+                         "use parallel.tp=1 (FSDP2 or DDP, with pp if needed), or training.float8=none")
+    if importlib.util.find_spec("torchao") is None:
+        raise DuokaError(f"training.float8={recipe} needs torchao, which is not installed",
+                         "pip install torchao (a version made for this PyTorch), or training.float8=none")
+    if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise DuokaError(f"training.float8={recipe} needs float8 matmuls: compute capability 8.9 or newer (Ada, "
+                         f"Hopper, Blackwell); this GPU has {major}.{minor}", "use training.float8=none")
+
+
+def convert_to_float8(model: Qwen2, recipe: str, fsdp: bool) -> None:
+    """training.float8: swap the decoder blocks' linear layers for torchao's Float8Linear
+    (float8 matmuls in forward and backward, dynamic scales; the weights stay in their
+    dtype and keep their names, so checkpoints and exports do not change). The head stays
+    in bf16 (torchtitan's default too): the fused loss multiplies by its weight directly,
+    without calling the module, so converting it would change only the unfused loss.
+    With tensorwise scaling under FSDP2 the weights are cast to float8 before the
+    all-gather, which halves its bytes; their scales are then computed for all weights at
+    once after each optimizer step (see precompute_float8_scales)."""
+    # torchao is an optional dependency (check_float8 says how to install it): imported
+    # only when float8 is asked for.
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    # torchao's float8 matmul needs both dimensions to be multiples of 16. Every Qwen2 shape
+    # has them; a checkpoint that does not is refused, not trained half in float8.
+    odd = [f"layers.{name} ({m.in_features} x {m.out_features})" for name, m in model.layers.named_modules()
+           if isinstance(m, nn.Linear) and (m.in_features % 16 or m.out_features % 16)]
+    if odd:
+        raise DuokaError(f"training.float8={recipe} needs linear layers whose sizes are multiples of 16; "
+                         f"{len(odd)} are not, e.g. {odd[0]}", "use training.float8=none for this model")
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if float8_gathers(recipe, fsdp):
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(model, config=config, module_filter_fn=lambda module, fqn: fqn.startswith("layers."))
+
+
+def float8_gathers(recipe: str, fsdp: bool) -> bool:
+    """Whether FSDP2 all-gathers the float8 weights (torchao supports it for tensorwise scales)."""
+    return fsdp and recipe == "tensorwise"
+
+
+def precompute_float8_scales(model: nn.Module) -> None:
+    """After an optimizer step: every float8-gathered weight's scale from one fused amax
+    and one all-reduce, instead of one all-reduce per weight inside the next all-gather."""
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp  # optional dependency, as above
+
+    precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def timed_modules(model: Qwen2) -> list[nn.Module]:
+    """The modules a step's compute is measured on: every block (its activation-checkpoint
+    wrapper if any) and the LM head when this model holds it, the bulk of a step's compute
+    (the fused loss reads the head's weight without calling it)."""
+    return [*model.layers.values(), *([model.output] if model.output is not None else [])]
+
+
+def parallelize_qwen2(model: Qwen2, dims: ParallelDims, mesh: DeviceMesh | None, options: ParallelOptions,
+                      hooks: ModuleHooks | None = None) -> nn.Module:
+    """Returns the module to train (the model itself, sharded in place, or a DDP wrapper).
+
+    Called on the meta device for FSDP (sharding happens before any memory is taken);
+    DDP needs real storage, so the caller materialises first for ddp. hooks (load
+    balancing, debug slowdown) go on timed_modules(model), around FSDP2's own hooks."""
+    if options.float8 != "none":  # check_float8 refused tp > 1
+        convert_to_float8(model, options.float8, dims.fsdp)
+    if dims.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"])
+    if options.activation_checkpointing:
+        # The wrapper calls the block's forward, whose compiled body (ModelOptions.compile)
+        # is one graph shared by all blocks: compiling the wrapper would guard on each block.
+        for name, block in model.layers.items():
+            model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+    timed = timed_modules(model)
+    if hooks is not None:
+        hooks.before_shard(timed)
+
+    wrapped: nn.Module = model
+    if dims.fsdp:
+        shard_fsdp(model, dims, mesh, options)
+    elif dims.world_size > 1:
+        device_ids = [torch.cuda.current_device()] if mesh.device_type == "cuda" else None
+        # gradient_as_bucket_view: gradients live in the all-reduce buckets themselves, saving a
+        # copy of every gradient into and out of the buckets each step (and that memory).
+        wrapped = DistributedDataParallel(model, device_ids=device_ids, process_group=mesh["dp_replicate"].get_group(),
+                                          gradient_as_bucket_view=True, bucket_cap_mb=options.ddp_bucket_mb)
+    if hooks is not None:
+        hooks.after_shard(timed)
+    return wrapped
+
+
+def shard_fsdp(model: Qwen2, dims: ParallelDims, mesh: DeviceMesh, options: ParallelOptions) -> None:
+    """FSDP2 over the data-parallel mesh: units of options.fsdp_blocks_per_unit blocks, then the root."""
+    # bf16 parameters for compute, fp32 gradient reduction, fp32 master weights in the
+    # optimizer: the usual mixed precision recipe.
+    mp = MixedPrecisionPolicy(param_dtype=options.compute_dtype, reduce_dtype=torch.float32)
+    # One shard dimension: plain FSDP2. Replica groups too: HSDP (with a shard size of 1
+    # that is replicated weights with all-reduced gradients, DDP's semantics).
+    dp_mesh = mesh["dp_shard"] if dims.dp_replicate == 1 else mesh["dp_replicate", "dp_shard"]
+    # Under pipelining each micro-batch's backward would gather the weights again: keep
+    # them gathered between a stage's forward and backward (torchtitan's choice).
+    reshard = options.reshard_after_forward and dims.pp == 1
+    blocks = list(model.layers.values())
+    if options.fsdp_blocks_per_unit < 0:
+        raise ValueError("fsdp_blocks_per_unit must be resolved (0 or more) before parallelizing")
+    per_unit = options.fsdp_blocks_per_unit or max(1, len(blocks))
+    for first in range(0, len(blocks), per_unit):
+        unit = blocks[first:first + per_unit]
+        # A list makes one FSDP2 unit of several blocks: one collective for all of them.
+        fully_shard(unit if len(unit) > 1 else unit[0], mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+    # The root holds the embedding, final norm and head; it is used last in forward and
+    # first in backward, so keeping it gathered after forward saves one all-gather.
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
+
+
+def unwrap(module: nn.Module) -> Qwen2:
+    return module.module if isinstance(module, DistributedDataParallel) else module

@@ -1,0 +1,56 @@
+"""What a step leaves behind for its metrics, and the host-synchronisation rules around it.
+
+A step's figures (loss, gradient norm, times) are read once the GPU is past the step: the
+loss, norm and token count go to pinned host memory behind the step's work and the step's
+end is marked after that copy, so reading them waits for nothing else, and the host can
+launch the next step while the GPU still runs this one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+
+from duoka.timing import Mark, PhaseTimer
+
+
+@dataclass
+class StepEnd:
+    step: int  # 1-based, as in metrics.jsonl
+    start: Mark  # the previous step's end: the step's time includes any gap before it
+    end: Mark
+    phases: PhaseTimer
+    scalars: torch.Tensor  # [summed loss, gradient norm, tokens] in (pinned) host memory, valid once `end` is
+    lr: float
+    data_time: float
+    samples: int
+    memory: dict
+    launch_s: float  # host time from the step's start to its last launch
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """An asynchronous copy into pinned host memory (the tensor itself on CPU)."""
+    if t.device.type != "cuda":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
+@contextlib.contextmanager
+def sync_debug(mode: str):
+    """PyTorch's sync debug mode for the enclosed code, the previous mode restored after:
+    "error" (debug.check_host_syncs) raises at an operation that makes the host wait for
+    the GPU; "default" lets pass a wait that is meant (a step's end, a background save's
+    completion). Nothing on a machine without CUDA."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)

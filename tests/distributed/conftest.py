@@ -1,0 +1,134 @@
+"""Shared by the distributed tests: `duoka train` runs of one configuration, the runs that
+several tests compare with (each trained once per test session, by whichever test asks
+first), and the layout comparison itself."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+# The layout configuration (test_layouts.py, test_model_parallel.py): 5 steps, fp32.
+STEPS = 5
+COMMON = (f"--training.steps={STEPS}", "--training.seq_len=64", "--training.global_batch_size=8",
+          "--training.dtype=fp32", "--optimizer.warmup_steps=2", "--metrics.log_interval=100")
+
+
+def read_records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def read_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "hf" / f"step-{step}" / "model.safetensors")
+
+
+class Training:
+    """`duoka train` with fixed common flags (`common`, a run of `steps` steps) and
+    environment. `once(*args)` is the run with those arguments, trained once per session:
+    the same configuration is never trained twice, whichever modules compare with it."""
+
+    def __init__(self, cli, common: tuple[str, ...], steps: int, env: dict[str, str], made: dict, tmp_path_factory):
+        self.cli, self.common, self.steps, self.env = cli, common, steps, env
+        self._made, self._tmp = made, tmp_path_factory
+
+    def with_env(self, env: dict[str, str]) -> Training:
+        """The same configuration under more environment variables (its runs stored apart)."""
+        return Training(self.cli, self.common, self.steps, {**self.env, **env}, self._made, self._tmp)
+
+    def command(self, run_dir: Path, *args: str) -> list[str]:
+        return self.cli.command("train", f"--job.output_dir={run_dir}", *self.common, *args)
+
+    def __call__(self, run_dir: Path, *args: str) -> subprocess.CompletedProcess:
+        """Train into run_dir; the run must succeed."""
+        return self.cli.ok("train", f"--job.output_dir={run_dir}", *self.common, *args, env=self.env)
+
+    def once(self, *args: str) -> Path:
+        key = (self.common, tuple(sorted(self.env.items())), args)
+        if key not in self._made:
+            run = self._tmp.mktemp("once") / "run"
+            try:
+                self(run, *args)
+            except Exception as e:  # a failed run fails every test that needs it, without a retry each
+                self._made[key] = e
+                raise
+            self._made[key] = run
+        if isinstance(self._made[key], Exception):
+            raise self._made[key]
+        return self._made[key]
+
+
+@pytest.fixture(scope="session")
+def training(duoka, tmp_path_factory):
+    """Factory: training(common, steps, env=None) -> Training; all share one store of runs made once."""
+    made: dict = {}
+
+    def make(common, steps: int, env: dict[str, str] | None = None) -> Training:
+        return Training(duoka, tuple(common), steps, dict(env or {}), made, tmp_path_factory)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def records():
+    """records(run_dir): the run's metrics.jsonl, one dict per step."""
+    return read_records
+
+
+@pytest.fixture(scope="session")
+def weights():
+    """weights(run_dir, step): the run's exported model at `step`, name -> tensor."""
+    return read_weights
+
+
+@pytest.fixture(scope="session")
+def layout_runs(training) -> Training:
+    """The layout configuration (COMMON): layout_runs(run_dir, *args) trains,
+    layout_runs.once(*args) is a run shared by every test that asks for it."""
+    return training(COMMON, STEPS)
+
+
+@pytest.fixture(scope="session")
+def reference(layout_runs) -> Path:
+    """The layout configuration on one process: what every layout must compute."""
+    return layout_runs.once("--nproc-per-node=1")
+
+
+@pytest.fixture(scope="session")
+def fsdp_accumulation_run(layout_runs) -> Path:
+    """FSDP2 on 2 ranks, one sample per micro-batch (gradient accumulation), with a
+    checkpoint at step 3: checked against one process (test_layouts.py) and resumed under
+    tp x pp (test_model_parallel.py)."""
+    return layout_runs.once("--nproc-per-node=2", "--parallel.dp_mode=fsdp", "--training.micro_batch_size=1",
+                       "--checkpoint.interval=3")
+
+
+def _assert_same_run(run: Path, ref: Path):
+    a, b = read_records(run), read_records(ref)
+    assert len(a) == len(b) == STEPS
+    for x, y in zip(a, b):
+        assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(y["loss"]), (a, b)
+        # Adam is blind to a constant factor on the gradient, so the weights alone would not
+        # catch a normalisation error (say, a forgotten x dp_size); the gradient norm does.
+        # 1e-4: the norm is a sum of 1.3M squares, reduced in another order per layout
+        # (up to 1.6e-5 under FSDP2); a scale error would be 50% or more.
+        assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4 * y["grad_norm"], (a, b)
+    wa, wb = read_weights(run, STEPS), read_weights(ref, STEPS)
+    assert wa.keys() == wb.keys()
+    # The whole model's relative difference. No per-element or per-tensor bound: where a
+    # gradient is zero up to rounding (the k-projection bias: a constant key shift barely
+    # moves softmax), Adam rescales that rounding noise to lr-sized steps whose signs
+    # depend on the reduction order, so single elements legitimately differ by ~lr.
+    diff = sum(((wa[k] - wb[k]) ** 2).sum() for k in wa).sqrt()
+    norm = sum((wb[k] ** 2).sum() for k in wb).sqrt()
+    assert diff / norm <= 1e-5
+
+
+@pytest.fixture(scope="session")
+def assert_same_run():
+    """assert_same_run(run, ref): two runs of the layout configuration compute the same
+    (per-step loss and gradient norm, final weights)."""
+    return _assert_same_run
