@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from duoka.data.dataset import TEXT_SUFFIXES, corpus_files, end_of_text_id, iter_jsonl
+from duoka.data.dataset import TEXT_SUFFIXES, corpus_files, end_of_text_id, iter_documents, iter_jsonl
 from duoka.data.tokenizer import Tokenizer
 from duoka.errors import DuokaError
 
@@ -35,8 +35,6 @@ def source_files(path: Path) -> list[Path]:
 def _documents(path: Path, text_field: str, malformed: list):
     """Documents of one file; malformed records are noted (file:line, reason) and skipped."""
     if path.name.endswith(".txt"):
-        from duoka.data.dataset import iter_documents
-
         yield from iter_documents(path, text_field)
         return
     if path.name.endswith(".parquet"):

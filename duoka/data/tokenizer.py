@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from duoka.errors import DuokaError
+from duoka.hub import resolve_model_dir
 
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
@@ -265,8 +266,6 @@ def _compile_template(source: str):
 
 
 def load_tokenizer(name_or_path: str | Path) -> Tokenizer:
-    from duoka.hub import resolve_model_dir
-
     return Tokenizer(resolve_model_dir(name_or_path))
 
 

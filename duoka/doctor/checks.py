@@ -13,6 +13,11 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from duoka.errors import DuokaError
+from duoka.monitor.gpu import decode_clock_reasons, load_nvml, nvml_text
+from duoka.parallel.ports import port_is_free
+from duoka.plan.planner import Hardware, make_plan, resolve_model
+
 PASS, WARN, FAIL, INFO = "PASS", "WARN", "FAIL", "INFO"
 GIB = 2**30
 
@@ -156,9 +161,6 @@ def check_memory_for(model: str | None, n_gpus: int, gpu_memory: float | None,
     """Whether `model` can train on these GPUs at all, through the planner."""
     if model is None:
         return []
-    from duoka.errors import DuokaError
-    from duoka.plan.planner import Hardware, make_plan, resolve_model
-
     if not n_gpus or not gpu_memory:
         return [Result("memory", INFO, f"{model}: no GPUs here to plan for",
                        f"duoka plan --model {model} --gpus N --gpu-memory GiB plans for a target machine")]
@@ -256,9 +258,6 @@ def run_checks(f: Facts, model: str | None = None) -> list[Result]:
     gpu_memory = min((g.memory_total for g in f.gpus), default=0) / GIB or None
     checkpoint = None
     if model:
-        from duoka.errors import DuokaError
-        from duoka.plan.planner import resolve_model
-
         try:  # fp32 weights + two AdamW moments per parameter
             checkpoint = resolve_model(model).args.num_params() * 12
         except DuokaError:
@@ -288,8 +287,6 @@ def _infiniband() -> list[tuple[str, str, str]]:
 def gather(port: int = 29500, disk_path: str = ".") -> Facts:
     import torch
 
-    from duoka.monitor.gpu import decode_clock_reasons, load_nvml, nvml_text
-    from duoka.parallel.ports import port_is_free
 
     nvml = load_nvml()
     gpus, links, p2p, driver, driver_cuda = [], {}, {}, None, None
@@ -354,7 +351,6 @@ def _link_kind(nvml, handles, i: int, j: int) -> str:
     path between two GPUs. On an NVSwitch board every link ends at a switch, never at the
     peer GPU, so matching link ends against the peer's PCI address alone finds nothing
     there (it reported an H200 HGX pair as PCIe); NVML's P2P status over NVLink says it."""
-    from duoka.monitor.gpu import nvml_text
 
     handle = handles[i]
     try:

@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from duoka.errors import DuokaError
+from duoka.monitor.gpu import load_nvml, read_all
 
 
 def read_records(path: Path) -> list[dict]:
@@ -94,8 +95,6 @@ def ranks_by_gpu(run_dir: Path | None) -> dict[int, int]:
 
 def monitor(run_dir: Path | None, gpus: bool, once: bool, interval: float, console) -> None:
     from rich.live import Live
-
-    from duoka.monitor.gpu import load_nvml, read_all
 
     metrics = None if run_dir is None else run_dir / "metrics.jsonl"
     if run_dir is not None and not run_dir.is_dir():

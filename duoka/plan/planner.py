@@ -48,6 +48,8 @@ from duoka.errors import DuokaError
 from duoka.hub import resolve_model_dir
 from duoka.models.qwen2.args import FLAVORS, ModelArgs
 from duoka.models.qwen2.hf_adapter import read_config
+from duoka.monitor.metrics import peak_flops
+from duoka.parallel.devices import read_gpus, visible_indices
 from duoka.plan.memory import (
     GIB,
     Layout,
@@ -144,8 +146,6 @@ class Hardware:
 
 
 def _local_gpus():
-    from duoka.parallel.devices import read_gpus, visible_indices
-
     gpus = read_gpus()
     visible = set(visible_indices(os.environ.get("CUDA_VISIBLE_DEVICES"), gpus))
     return [g for g in gpus if g.index in visible]
@@ -185,8 +185,6 @@ def detect_hardware(gpus: int | None = None, gpu_memory_gib: float | None = None
     (NVML, honouring CUDA_VISIBLE_DEVICES). `local_gpus` (a list of GpuReading) replaces
     the NVML reading, for tests. --gpus counts every GPU of the job; without it, this
     node's GPUs times --nodes."""
-    from duoka.monitor.metrics import peak_flops
-
     need_local = gpus is None or gpu_memory_gib is None
     local = local_gpus if local_gpus is not None else (_local_gpus() if need_local else [])
     detected = []

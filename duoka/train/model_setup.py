@@ -21,7 +21,13 @@ from duoka.models.qwen2.stages import balanced_counts, balanced_counts_uneven, s
 from duoka.parallel.dims import ParallelDims
 from duoka.parallel.dtensor import full_value
 from duoka.parallel.parallelize import ModuleHooks, ParallelOptions, parallelize_qwen2
-from duoka.parallel.pipeline import ModelParts, TiedEmbeddingSync, build_schedule, build_stage_model, measure_stage_costs
+from duoka.parallel.pipeline import (
+    ModelParts,
+    TiedEmbeddingSync,
+    build_schedule,
+    build_stage_model,
+    measure_stage_costs,
+)
 from duoka.plan.memory import largest_fitting_micro_batch
 from duoka.train.optim import plan_batch
 

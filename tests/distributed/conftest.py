@@ -35,9 +35,11 @@ class Training:
         self.cli, self.common, self.steps, self.env = cli, common, steps, env
         self._made, self._tmp = made, tmp_path_factory
 
-    def with_env(self, env: dict[str, str]) -> Training:
-        """The same configuration under more environment variables (its runs stored apart)."""
-        return Training(self.cli, self.common, self.steps, {**self.env, **env}, self._made, self._tmp)
+    def variant(self, env: dict[str, str], common: tuple[str, ...] = ()) -> Training:
+        """This configuration under more environment variables and common flags (its runs
+        stored apart from this one's)."""
+        return Training(self.cli, self.common + tuple(common), self.steps, {**self.env, **env}, self._made,
+                        self._tmp)
 
     def command(self, run_dir: Path, *args: str) -> list[str]:
         return self.cli.command("train", f"--job.output_dir={run_dir}", *self.common, *args)

@@ -4,8 +4,14 @@ import json
 import pytest
 import torch
 
-from duoka.data.dataset import (PackedWindows, corpus_files, global_batch_indices, iter_documents, rank_batches,
-                                tokenize_corpus)
+from duoka.data.dataset import (
+    PackedWindows,
+    corpus_files,
+    global_batch_indices,
+    iter_documents,
+    rank_batches,
+    tokenize_corpus,
+)
 from duoka.data.tokenizer import Tokenizer
 from duoka.errors import DuokaError
 

@@ -7,9 +7,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-from duoka.doctor.checks import (FAIL, INFO, PASS, WARN, Facts, GpuFacts, check_env, check_gpus, check_host,
-                                 check_interconnect, check_memory_for, check_port_and_disk, check_python_torch,
-                                 exit_code)
+from duoka.doctor.checks import (
+    FAIL,
+    INFO,
+    PASS,
+    WARN,
+    Facts,
+    GpuFacts,
+    check_env,
+    check_gpus,
+    check_host,
+    check_interconnect,
+    check_memory_for,
+    check_port_and_disk,
+    check_python_torch,
+    exit_code,
+)
 
 GIB = 2**30
 ROOT = Path(__file__).resolve().parents[2]

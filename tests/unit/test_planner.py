@@ -17,9 +17,9 @@ from duoka.errors import DuokaError
 from duoka.models.qwen2.args import FLAVORS, ModelArgs
 from duoka.parallel.devices import GpuReading
 from duoka.plan.memory import (
-    auto_blocks_per_unit,
     GIB,
     Layout,
+    auto_blocks_per_unit,
     estimate_memory,
     in_flight,
     largest_fitting_micro_batch,
