@@ -216,6 +216,23 @@ class MetricsConfig:
 
 
 @dataclass
+class ReliabilityConfig:
+    hang_timeout_s: float = opt(0.0, "A step or collective that has not finished after this many seconds ends the job "
+                                     "with a message naming the step, the collective and the ranks that did not "
+                                     "arrive, and every rank's Python stack in <run>/hang/. 0: 600 on GPU, 300 on CPU "
+                                     "(the first steps also compile: timed from the third step on).", min=0.0)
+    straggler_factor: float = opt(5.0, "Alert (straggler) when a rank's step has taken this many times the median "
+                                       "step so far without finishing.", min=1.0)
+    max_nonfinite_steps: int = opt(3, "A step whose loss or gradient norm is NaN or infinite is skipped (no update, "
+                                      "counted, alerted); after this many in a row the job stops, naming the last "
+                                      "good checkpoint.", min=1)
+    spike_zscore: float = opt(6.0, "Alert (loss_spike) when a step's loss lies this many standard deviations above "
+                                   "the mean of the last spike_window steps; 0: off.", min=0.0)
+    spike_window: int = opt(50, "Steps in the loss-spike statistics.", min=5)
+    skip_spikes: bool = opt(False, "Also skip the update of a step whose loss is a spike (as for a non-finite one).")
+
+
+@dataclass
 class DebugConfig:
     slow_ranks: str = opt("", "Fault injection for tests and demos: \"RANK:FACTOR,...\" makes each named rank run "
                               "at FACTOR of its speed (1:0.5 = rank 1 at half speed): it waits in proportion to its "
@@ -223,6 +240,8 @@ class DebugConfig:
     check_host_syncs: bool = opt(False, "GPU only: from the third step on, raise at any operation inside a step that "
                                         "makes the host wait for the GPU (torch.cuda.set_sync_debug_mode), naming "
                                         "where it is; steps are meant to have none, so the host runs ahead.")
+    inject_nan_step: int = opt(0, "Fault injection for tests: step N's loss (1-based) is NaN on every rank. 0: off.",
+                               min=0)
 
 
 @dataclass
@@ -235,6 +254,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

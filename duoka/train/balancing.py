@@ -18,7 +18,11 @@ class LoadBalancing:
                  micro_batch: int, lag: int, console):
         weights = check_config(cfg.parallel, cfg.debug, dims.model_parallel, dims.tp, dims.pp, dims.dp_size, world)
         self.mode = cfg.parallel.balance
-        self.slow_factor = parse_rank_factors(cfg.debug.slow_ranks, world).get(rank, 1.0)
+        slowed = parse_rank_factors(cfg.debug.slow_ranks, world)
+        self.slow_factor = slowed.get(rank, 1.0)
+        # Decided from the config alone, the same on every rank: whether a step's end is
+        # deferred changes which collective each rank runs next.
+        self._synchronous = self.mode != "off" or bool(slowed)
         self.console = console
         # The timer runs when shares follow measured speed, or when this rank is slowed on purpose.
         self.timer = BlockTimer(device, self.slow_factor, varying_batch=self.varying_batch) \
@@ -35,8 +39,9 @@ class LoadBalancing:
 
     @property
     def synchronous(self) -> bool:
-        """The timer reads its marks at the step's end, so the step end cannot be deferred."""
-        return self.timer is not None
+        """The timer reads its marks at the step's end, so the step end cannot be deferred;
+        the same answer on every rank, slowed or not."""
+        return self._synchronous
 
     def plan(self, step: int, dp_rank: int) -> tuple[int, list[int]]:
         """This rank's (offset into the step's global batch, micro-batch sizes)."""
