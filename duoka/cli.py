@@ -129,18 +129,26 @@ def add_train_parser(sub) -> None:
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of node 0 (c10d rendezvous)")
     p.add_argument("--gpus", default=None, help="nvidia-smi indices (0,3) or auto:N for the N least busy GPUs")
+    p.add_argument("--max-restarts", type=int, default=0, help="restart the workers this many times after a "
+                   "failure, each time from the newest intact checkpoint (as torchrun's flag)")
     p.set_defaults(func=run_train)
 
 
 def run_train(a: argparse.Namespace) -> int:
-    from duoka.launcher import TrainingStopped, launch_training
+    """Exit codes (docs/training.md, "Stopping, preemption and restarts"): 0 finished; 1 a
+    worker died or crashed; 2 an error with its fix; 128 + N stopped by signal N (130 SIGINT,
+    143 SIGTERM), with the command to continue; a worker's own code (75: a hang)."""
+    from duoka.launcher import TrainingStopped, WorkerFailed, launch_training
 
     try:
         launch_training(a.config, a.overrides, a.nproc_per_node, a.nnodes, a.node_rank, a.rdzv_endpoint, a.gpus,
-                        log=log)
+                        log=log, max_restarts=a.max_restarts)
     except TrainingStopped as e:
         log(f"duoka: {e}")
-        return 143
+        return e.exit_code
+    except WorkerFailed as e:
+        print_error(e)
+        return e.exit_code
     return 0
 
 
@@ -185,7 +193,8 @@ def run_export(a: argparse.Namespace) -> int:
     from duoka.train.export import export_checkpoint
 
     t = time.perf_counter()
-    out = export_checkpoint(Path(a.checkpoint), Path(a.out), a.dtype, a.max_shard_size)
+    out = export_checkpoint(Path(a.checkpoint), Path(a.out), a.dtype, a.max_shard_size,
+                            warn=lambda message: log(f"duoka: warning: {message}"))
     log(f"duoka: exported {a.checkpoint} -> {out} in {time.perf_counter() - t:.1f} s")
     print(out)
     return 0
@@ -449,15 +458,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except DuokaError as e:
-        print(f"error: {e.cause}", file=sys.stderr)
-        if e.fix:
-            print(f"  fix: {e.fix}", file=sys.stderr)
+        print_error(e)
         return 2
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `duoka generate ... | head` closed the pipe: not an error
         return 0
+
+
+def print_error(e: DuokaError) -> None:
+    print(f"error: {e.cause}", file=sys.stderr)
+    if e.fix:
+        print(f"  fix: {e.fix}", file=sys.stderr)
 
 
 def run() -> None:

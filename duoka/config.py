@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -189,8 +190,9 @@ class CheckpointConfig:
                                 "more can help on parallel file systems (no clear gain on one local NVMe disk, "
                                 "bench/results/checkpoint_times.md).", min=1)
     keep: int = opt(2, "Complete checkpoints to keep; older ones are deleted once a newer one is complete.", min=1)
-    resume: str = opt("", "`auto`: continue from the newest complete checkpoint in job.output_dir (start fresh if "
-                          "there is none); a checkpoints/step-N path: continue from it; empty: start fresh.")
+    resume: str = opt("", "`auto`: continue from the newest intact checkpoint in job.output_dir (each is checked "
+                          "against its manifest; damaged ones are skipped with a warning; start fresh if there is "
+                          "none); a checkpoints/step-N path: continue from it; empty: start fresh.")
     export_final: bool = opt(True, "Also write the final model in Hugging Face format to hf/step-<steps>/.")
 
 
@@ -289,6 +291,32 @@ def _unknown(name: str, cfg: Config, origin: str) -> DuokaError:
     return DuokaError(f"{origin}: unknown config key {name!r}", hint)
 
 
+_TOML_TYPES = {bool: "a boolean", int: "an integer", float: "a float", str: "a string", list: "an array",
+               dict: "a table"}
+
+
+def _check_typed(name: str, f: dataclasses.Field, value: Any, origin: str) -> None:
+    """A TOML value carries its type, which must be the key's: `steps = "5"` is refused rather
+    than converted, as TOML can say 5. Command-line flags are text and convert."""
+    kind = f.metadata.get("kind") or type(f.default)
+    if kind is int and f.default == "auto" and value == "auto":
+        return
+    accepted = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}[kind]
+    if isinstance(value, accepted) and not (isinstance(value, bool) and kind is not bool):
+        return
+    got = next((t for k, t in _TOML_TYPES.items() if isinstance(value, k)), type(value).__name__)
+    want = ("a number" if kind is float else _TOML_TYPES[kind]) + (' or "auto"' if f.default == "auto" else "")
+    section, key = name.split(".")
+    try:
+        meant = _coerce(name, f, value, origin) if not isinstance(value, bool) and kind is not str else None
+    except DuokaError:
+        meant = None
+    example = _toml_value(meant) if meant is not None else {bool: "true", int: "5", float: "0.5", str: '"text"'}[kind]
+    raise DuokaError(f"{origin}: {name} = {_toml_value(value)} is {got}, not {want}",
+                     f"write {key} = {example} under [{section}]" +
+                     (" (without quotes: they make a string)" if isinstance(value, str) else ""))
+
+
 def _coerce(name: str, f: dataclasses.Field, value: Any, origin: str) -> Any:
     meta = f.metadata
     kind = meta.get("kind") or type(f.default)
@@ -316,6 +344,8 @@ def _coerce(name: str, f: dataclasses.Field, value: Any, origin: str) -> Any:
             value = float(value)
         except (TypeError, ValueError):
             raise DuokaError(f"{where} is not a number", "write a number such as 3e-4") from None
+        if not math.isfinite(value):
+            raise DuokaError(f"{where} is not a finite number", "write a number such as 3e-4")
     elif kind is str:
         if not isinstance(value, str):
             raise DuokaError(f"{where} is not a string", "quote the value in TOML")
@@ -328,13 +358,16 @@ def _coerce(name: str, f: dataclasses.Field, value: Any, origin: str) -> Any:
     return value
 
 
-def _set(cfg: Config, section: str, key: str, value: Any, origin: str) -> None:
+def _set(cfg: Config, section: str, key: str, value: Any, origin: str, typed: bool = False) -> None:
+    """typed: the value comes from TOML and must already have the key's type."""
     name = f"{section}.{key}"
     if section not in SECTIONS:
         raise _unknown(name, cfg, origin)
     known = _section_fields(cfg, section)
     if key not in known:
         raise _unknown(name, cfg, origin)
+    if typed:
+        _check_typed(name, known[key], value, origin)
     setattr(getattr(cfg, section), key, _coerce(name, known[key], value, origin))
 
 
@@ -352,7 +385,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
             if not isinstance(values, dict):
                 raise _unknown(section, cfg, str(path))
             for key, value in values.items():
-                _set(cfg, section, key, value, origin=str(path))
+                _set(cfg, section, key, value, origin=str(path), typed=True)
     apply_overrides(cfg, overrides)
     return cfg
 
@@ -376,20 +409,23 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> None:
         i += 1
 
 
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(v)
+
+
 def to_toml(cfg: Config) -> str:
     """TOML for our own value types (str, int, float, bool): enough for config.toml."""
-
-    def fmt(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, (int, float)):
-            return repr(v)
-        return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
     lines = []
     for section, values in cfg.to_dict().items():
         lines.append(f"[{section}]")
-        lines += [f"{k} = {fmt(v)}" for k, v in values.items()]
+        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
         lines.append("")
     return "\n".join(lines)
 

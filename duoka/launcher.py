@@ -10,13 +10,23 @@ Multi-node: run the same command on every node with --nnodes, --node-rank and th
 --rdzv-endpoint HOST:PORT (node 0's address); under Slurm, one task per node:
     srun --nodes=2 --ntasks-per-node=1 duoka train cfg.toml --nnodes 2 \
         --node-rank $SLURM_NODEID --rdzv-endpoint $(scontrol show hostnames | head -1):29500
+
+How a job ends (docs/training.md, "Stopping, preemption and restarts"): the workers live
+exactly as long as the launcher; SIGTERM or SIGINT, to the launcher or to the whole process
+group, saves a checkpoint and exits 128 + the signal's number; a worker that dies is named
+with its signal or exit code, and with --max-restarts N the group restarts from the newest
+intact checkpoint by itself. Node 0's launcher holds a lock on the run directory.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import fcntl
 import json
 import os
+import signal
+import socket
 import time
 import uuid
 from dataclasses import asdict
@@ -26,7 +36,14 @@ from duoka import runtime
 from duoka.config import Config, load_config, to_toml
 from duoka.errors import DuokaError
 from duoka.parallel.ports import free_port, parse_endpoint, port_is_free
-from duoka.train.spec import STOPPED_MARKER, RunSpec
+from duoka.train.spec import RESTARTS_LOG, STOPPED_MARKER, RunSpec
+
+# Exit codes of `duoka train` (docs/training.md lists them). A stop by signal N exits 128 + N,
+# as a process killed by N would, so that schedulers and `&&` chains see an unfinished job.
+EXIT_WORKER_DIED = 1  # a worker was killed or crashed, no restart left: resuming may succeed
+EXIT_USER_ERROR = 2  # DuokaError: cause and fix; the same command fails the same way
+LOCK_FILE = ".lock"
+LOOPBACK = "127.0.0.1"  # where a single node's stores listen: nothing outside the host needs them
 
 
 def resolve_model(cfg: Config):
@@ -49,19 +66,21 @@ def resolve_model(cfg: Config):
     return args, None, None
 
 
-def run_directory(cfg: Config, node_rank: int) -> Path:
+def run_directory(cfg: Config) -> Path:
     if cfg.job.output_dir:
-        run_dir = Path(cfg.job.output_dir)
-    else:
-        if cfg.checkpoint.resume == "auto":
-            raise DuokaError("checkpoint.resume=auto needs job.output_dir (the run to continue)",
-                             "add --job.output_dir=runs/<the run>")
-        name = (Path(cfg.model.path).name if cfg.model.path else cfg.model.flavor) + time.strftime("-%Y%m%d-%H%M%S")
-        run_dir = Path("runs") / name
-    if node_rank == 0 and (run_dir / "metrics.jsonl").exists() and not cfg.checkpoint.resume:
+        return Path(cfg.job.output_dir)
+    if cfg.checkpoint.resume == "auto":
+        raise DuokaError("checkpoint.resume=auto needs job.output_dir (the run to continue)",
+                         "add --job.output_dir=runs/<the run>")
+    name = (Path(cfg.model.path).name if cfg.model.path else cfg.model.flavor) + time.strftime("-%Y%m%d-%H%M%S")
+    return Path("runs") / name
+
+
+def check_run_directory(run_dir: Path, cfg: Config) -> None:
+    """A new run never writes over an earlier one (checked by node 0, holding the run's lock)."""
+    if (run_dir / "metrics.jsonl").exists() and not cfg.checkpoint.resume:
         raise DuokaError(f"run directory {run_dir} already holds a run (metrics.jsonl)",
                          "continue it with --checkpoint.resume=auto, or choose a new job.output_dir")
-    return run_dir
 
 
 def launch_training(
@@ -73,10 +92,17 @@ def launch_training(
     rdzv_endpoint: str | None = None,
     gpus: str | None = None,
     log=print,
+    max_restarts: int = 0,
 ) -> Path:
     from duoka.parallel.devices import device_env, read_gpus, select_gpus
 
     cfg = load_config(config_path, overrides)
+    if nproc_per_node is not None and nproc_per_node < 1:
+        raise DuokaError(f"--nproc-per-node {nproc_per_node}: a node needs at least one worker process",
+                         "give --nproc-per-node 1 or more, or leave it out (one per selected GPU, or 1 without GPUs)")
+    if max_restarts < 0:
+        raise DuokaError(f"--max-restarts {max_restarts} is negative",
+                         "give the number of times the workers may be restarted after a failure (0: none)")
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise DuokaError(f"--node-rank {node_rank} with --nnodes {nnodes}", "node ranks run from 0 to nnodes - 1")
     if nnodes > 1 and not rdzv_endpoint:
@@ -101,8 +127,6 @@ def launch_training(
         if gpus is not None:
             select_gpus(gpus, None, [])  # raises: no GPU
         nproc_per_node = nproc_per_node or 1
-    if nproc_per_node < 1:
-        raise DuokaError(f"--nproc-per-node {nproc_per_node} must be >= 1")
     world = nproc_per_node * nnodes
     if not gpu_list and "OMP_NUM_THREADS" not in os.environ and nproc_per_node > 1:
         # CPU workers share the cores; without this each starts one thread per core and
@@ -116,8 +140,8 @@ def launch_training(
 
     # Imports that load torch come after the worker server has started: its own import of
     # torch then overlaps this process's.
-    from duoka.data.dataset import RANDOM_DATA, PackedWindows, end_of_text_id, tokenize_corpus
-    from duoka.data.prepare import MANIFEST, is_prepared
+    from duoka.data.dataset import RANDOM_DATA, PackedWindows, end_of_text_id, read_manifest, tokenize_corpus
+    from duoka.data.prepare import is_prepared
     from duoka.data.sft import prepare_sft
     from duoka.data.tokenizer import Tokenizer
     from duoka.hub import bundled_corpus
@@ -187,7 +211,7 @@ def launch_training(
         else:
             data_path = Path(cfg.data.path) if cfg.data.path else bundled_corpus()
             if is_prepared(data_path):
-                manifest = json.loads((data_path / MANIFEST).read_text())
+                manifest = read_manifest(data_path)
                 if manifest["tokenizer"] != tokenizer.fingerprint:
                     raise DuokaError(f"{data_path} was prepared with the tokenizer in {manifest['tokenizer_dir']}, "
                                      f"not the model's ({tokenizer.folder})",
@@ -195,47 +219,101 @@ def launch_training(
                 token_file = str(data_path)
             else:
                 token_file = str(tokenize_corpus(data_path, tokenizer, cfg.data.text_field))
-            windows = len(PackedWindows(Path(token_file), cfg.training.seq_len))  # raises if the corpus is too small
+            # Raises if the corpus is too small or holds ids beyond the model's vocabulary (read once, here).
+            windows = len(PackedWindows(Path(token_file), cfg.training.seq_len, args.vocab_size))
             log(f"duoka: data {data_path}: {windows:,} windows of {cfg.training.seq_len} tokens "
                 f"({time.perf_counter() - t:.1f} s)")
         tokenizer_files = _tokenizer_files(tokenizer_dir)
 
-    run_dir = run_directory(cfg, node_rank)
-    cfg.job.output_dir = str(run_dir)
-    resume_from = find_resume_checkpoint(run_dir, cfg.checkpoint.resume)
-    resume_step = 0
-    if resume_from is not None:
-        resume_step = read_train_state(resume_from)["step"]
-        if resume_step > cfg.training.steps:
-            raise DuokaError(f"{resume_from} is at step {resume_step}, past training.steps={cfg.training.steps}",
-                             f"raise training.steps above {resume_step} to train further")
-        log(f"duoka: resuming from {resume_from} (step {resume_step})")
+    run_dir = run_directory(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in run_dir.glob("error-rank*.json"):
-        stale.unlink()
-    if node_rank == 0:
-        (run_dir / "config.toml").write_text(to_toml(cfg))
+    with contextlib.ExitStack() as held:
+        if node_rank == 0:
+            held.enter_context(run_lock(run_dir))
+            check_run_directory(run_dir, cfg)
+        cfg.job.output_dir = str(run_dir)
+        resume_from = find_resume_checkpoint(run_dir, cfg.checkpoint.resume)
+        resume_step = 0
+        if resume_from is not None:
+            resume_step = read_train_state(resume_from)["step"]
+            if resume_step > cfg.training.steps:
+                raise DuokaError(f"{resume_from} is at step {resume_step}, past training.steps={cfg.training.steps}",
+                                 f"raise training.steps above {resume_step} to train further")
+            log(f"duoka: resuming from {resume_from} (step {resume_step})")
+        # What an earlier job left (every node, before any worker starts): its errors, and the
+        # mark of its stop, which would otherwise make this run look stopped too.
+        for stale in [*run_dir.glob("error-rank*.json"), run_dir / STOPPED_MARKER]:
+            stale.unlink(missing_ok=True)
+        if node_rank == 0:
+            (run_dir / "config.toml").write_text(to_toml(cfg))
 
-    spec = RunSpec(config=cfg.to_dict(), run_dir=str(run_dir), model_args=asdict(args), world_size=world,
-                   model_dir=str(model_dir) if model_dir else None, token_file=token_file,
-                   tokenizer_files=tuple(tokenizer_files), end_of_text=end_of_text,
-                   resume_from=str(resume_from) if resume_from else None, resume_step=resume_step,
-                   micro_batch=micro_batch, fsdp_blocks_per_unit=blocks_per_unit, stage_layers=stage_layers)
-    log(f"duoka: {world} process(es) ({nnodes} node(s) x {nproc_per_node}), run directory {run_dir}")
-    _run_workers(spec, nproc_per_node, nnodes, node_rank, rdzv_endpoint, log)
-    stopped = run_dir / STOPPED_MARKER
-    if stopped.exists():
-        stopped.unlink()
-        raise TrainingStopped(run_dir)
+        spec = RunSpec(config=cfg.to_dict(), run_dir=str(run_dir), model_args=asdict(args), world_size=world,
+                       model_dir=str(model_dir) if model_dir else None, token_file=token_file,
+                       tokenizer_files=tuple(tokenizer_files), end_of_text=end_of_text,
+                       resume_from=str(resume_from) if resume_from else None, resume_step=resume_step,
+                       micro_batch=micro_batch, fsdp_blocks_per_unit=blocks_per_unit, stage_layers=stage_layers)
+        log(f"duoka: {world} process(es) ({nnodes} node(s) x {nproc_per_node}), run directory {run_dir}")
+        stop_signal = _run_workers(spec, nproc_per_node, nnodes, node_rank, rdzv_endpoint, max_restarts, log)
+        stopped = run_dir / STOPPED_MARKER
+        if stopped.exists():
+            raise TrainingStopped(run_dir, stop_signal or signal.SIGTERM, stopped.read_text().strip())
+        # A stop that came after the last step found the run complete.
+        if stop_signal is not None and not (run_dir / "checkpoints" / f"step-{cfg.training.steps}").is_dir():
+            raise TrainingStopped(run_dir, stop_signal, None)
     return run_dir
 
 
-class TrainingStopped(Exception):
-    """The job saved a checkpoint and stopped early on SIGTERM (exit code 143, as a job
-    killed by SIGTERM, so schedulers and `&&` chains do not mistake it for a finished run)."""
+@contextlib.contextmanager
+def run_lock(run_dir: Path):
+    """An exclusive flock on RUN/.lock for the run's life (node 0's launcher), so that two jobs
+    never write one run directory: a second `duoka train` there is refused at once. The kernel
+    drops it when its holder exits however it ends, so a killed job leaves no stale lock."""
+    path = run_dir / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited (Python's default)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 200).decode(errors="replace").split()
+        os.close(fd)
+        who = f"pid {holder[0]} on {holder[1]}" if len(holder) == 2 else "another process"
+        raise DuokaError(f"run directory {run_dir} is in use by another duoka train ({who})",
+                         "wait for that job to end or stop it (SIGTERM saves a checkpoint), or choose another "
+                         "job.output_dir") from None
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()} {socket.gethostname()}\n".encode())
+        yield
+    finally:
+        os.close(fd)
 
-    def __init__(self, run_dir: Path):
-        super().__init__(f"stopped early; continue with --checkpoint.resume=auto --job.output_dir={run_dir}")
+
+class TrainingStopped(Exception):
+    """The job stopped early on a signal (SIGTERM, SIGINT), having saved a checkpoint or not.
+    Exit code 128 + the signal's number, as a job killed by it, so that schedulers and `&&`
+    chains do not mistake it for a finished run."""
+
+    def __init__(self, run_dir: Path, signum: int, saved_step: str | None):
+        name = signal.Signals(signum).name
+        resume = f"--checkpoint.resume=auto --job.output_dir={run_dir}"
+        if saved_step is not None:
+            message = f"stopped by {name} after saving step {saved_step}; continue with {resume}"
+        else:
+            message = (f"stopped by {name} before a checkpoint was saved (a second signal, or a stop that did not "
+                       f"finish within the grace period); continue from the newest one with {resume}")
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class WorkerFailed(DuokaError):
+    """A worker failed and no restart is left; `exit_code` tells a scheduler whether trying
+    again may help (EXIT_WORKER_DIED) or not (EXIT_USER_ERROR), or is a worker's own."""
+
+    def __init__(self, cause: str, fix: str | None, exit_code: int):
+        super().__init__(cause, fix)
+        self.exit_code = exit_code
+
+    def __reduce__(self):
+        return (type(self), (self.cause, self.fix, self.exit_code))
 
 
 def _tokenizer_files(folder: Path) -> list[str]:
@@ -244,34 +322,38 @@ def _tokenizer_files(folder: Path) -> list[str]:
     return [str(folder / n) for n in names if (folder / n).is_file()]
 
 
-def _run_workers(spec, nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None, log) -> None:
+def _run_workers(spec, nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None,
+                 max_restarts: int, log) -> int | None:
+    """Run the workers to their end. Returns the signal that stopped them early (None: they
+    ran to the end); a failure raises its explanation."""
     from duoka.train.worker import worker_main
 
-    if nnodes == 1 and nproc_per_node == 1:
+    if nnodes == 1 and nproc_per_node == 1 and max_restarts == 0:
         # One process: run in this one, no agent to start (faster, and debuggers work).
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         try:
-            worker_main(spec)
+            return worker_main(spec)
         except SystemExit:
-            _raise_worker_error(spec.run_dir)
+            reports = _error_reports(spec.run_dir)
+            if reports:
+                raise _reported_failure(reports) from None
             raise
-        return
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     if rdzv_endpoint is None:
-        endpoint = f"127.0.0.1:{free_port()}"
+        endpoint = f"{LOOPBACK}:{free_port()}"
     else:
         host, port = parse_endpoint(rdzv_endpoint)
-        endpoint = rdzv_endpoint
-        if node_rank == 0 and not port_is_free(host, port):
+        endpoint = rdzv_endpoint if nnodes > 1 else f"{LOOPBACK}:{port}"
+        if node_rank == 0 and not port_is_free(host if nnodes > 1 else LOOPBACK, port):
             if nnodes == 1:
                 new = free_port()
                 log(f"duoka: rendezvous port {port} is in use; using {new} instead")
-                endpoint = f"{host}:{new}"
+                endpoint = f"{LOOPBACK}:{new}"
             else:
                 raise DuokaError(f"rendezvous port {port} on {host} is already in use (another job, or a stale one)",
                                  f"pick another port for every node, e.g. --rdzv-endpoint {host}:{free_port()}")
@@ -279,24 +361,131 @@ def _run_workers(spec, nproc_per_node: int, nnodes: int, node_rank: int, rdzv_en
         min_nodes=nnodes, max_nodes=nnodes, nproc_per_node=nproc_per_node,
         # Every node derives the same id from the endpoint they share.
         run_id=os.environ.get("DUOKA_RUN_ID") or str(uuid.uuid5(uuid.NAMESPACE_URL, endpoint)),
-        rdzv_backend="c10d", rdzv_endpoint=endpoint,
+        # torch's c10d rendezvous with a fresh worker store at each restart; on one node its
+        # stores listen on the loopback address only (runtime.register_rendezvous).
+        rdzv_backend=runtime.register_rendezvous(), rdzv_endpoint=endpoint,
         rdzv_configs={"is_host": node_rank == 0, "join_timeout": 600} if nnodes > 1 else {"is_host": True},
-        max_restarts=0, monitor_interval=0.1, start_method="forkserver",
+        local_addr=LOOPBACK if nnodes == 1 else None,
+        max_restarts=max_restarts, monitor_interval=0.1, start_method="forkserver",
         **_shutdown_timeout(),
     )
     _start_worker_server()  # already running unless this is a single-process job
     _quiet_agent_logs()
+    restarts = Restarts(spec, max_restarts, node_rank, log)
+    # The agent installs handlers that raise SignalException and never puts the old ones back.
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)}
     try:
-        elastic_launch(config, worker_main)(spec)
-    except SignalException:
-        if (Path(spec.run_dir) / STOPPED_MARKER).exists():
-            return  # the workers saved and stopped; launch_training reports it
-        raise
-    except ChildFailedError:
-        _raise_worker_error(spec.run_dir)
-        raise
+        with runtime.elastic_agent_hooks(restarts.after_failure):
+            returned = elastic_launch(config, worker_main)(spec)
+        return next((r for r in returned.values() if r), None)
+    except SignalException as e:
+        # The agent forwarded it to the workers, which saved (or not) within the grace period.
+        # A second signal lands here too, at once: the workers then end with the worker server.
+        return int(e.sigval)
+    except ChildFailedError as e:
+        raise explain_failure(e.failures, spec.run_dir) from None
     finally:
+        for s, handler in handlers.items():
+            with contextlib.suppress(ValueError):  # ValueError: not the main thread (nor was the agent's)
+                signal.signal(s, handler)
         _stop_worker_server()
+
+
+class Restarts:
+    """--max-restarts: each failure the agent restarts the group after is recorded in
+    RUN/restarts.jsonl (node 0) with what it cost, and told on the console. A worker's own
+    error (exit code 2: config, data, a damaged checkpoint) is final: a restart would meet it
+    again."""
+
+    def __init__(self, spec, max_restarts: int, node_rank: int, log):
+        self.spec, self.max_restarts, self.node_rank, self.log = spec, max_restarts, node_rank, log
+        self.done = 0
+
+    def after_failure(self, failures: dict) -> bool:
+        """Called by the agent once the failed group's workers on this node have all exited;
+        returns whether a restart may follow."""
+        from duoka.train.worker import restart_resume_point
+
+        failure = explain_failure(failures, self.spec.run_dir)
+        if failure.exit_code == EXIT_USER_ERROR:
+            return False
+        if self.done == self.max_restarts:
+            return True  # the agent gives up; the launcher explains the failure
+        self.done += 1
+        run_dir = Path(self.spec.run_dir)
+        last = _last_logged_step(run_dir)
+        try:
+            resume_from, resume_step = restart_resume_point(self.spec)
+        except DuokaError:  # no intact checkpoint: the restarted workers say so, once each
+            resume_from, resume_step = None, None
+        lost = last - resume_step if resume_step is not None and last is not None else None
+        rank, first = min(failures.items(), key=lambda item: item[1].timestamp)
+        record = {"time": time.time(), "restart": self.done, "max_restarts": self.max_restarts, "rank": rank,
+                  "exit_code": first.exitcode, "signal": first.signal_name() if first.exitcode < 0 else None,
+                  "cause": failure.cause, "last_step": last, "resume_from": resume_from,
+                  "resume_step": resume_step, "steps_lost": lost}
+        if self.node_rank == 0:
+            with open(run_dir / RESTARTS_LOG, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        self.log(f"duoka: {failure.cause.splitlines()[0]}; restart {self.done} of {self.max_restarts} from "
+                 f"step {resume_step} ({lost} step(s) lost)")
+        return True
+
+
+def _last_logged_step(run_dir: Path) -> int | None:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    for line in reversed(lines):
+        with contextlib.suppress(ValueError, KeyError, TypeError):
+            return int(json.loads(line)["step"])
+    return None
+
+
+def explain_failure(failures: dict, run_dir: str) -> WorkerFailed:
+    """One message for a failed group, naming the rank that failed first. The agent reports
+    the first exit it saw (with its signal or exit code); a rank that only lost a peer leaves
+    a moment later (worker.LOST_PEER_DELAY_S), so that is the rank that died first."""
+    reports = _error_reports(run_dir)
+    if any(not r.get("lost_peer") for r in reports.values()):
+        return _reported_failure(reports)
+    rank, failure = min(failures.items(), key=lambda item: item[1].timestamp)
+    step = _last_logged_step(Path(run_dir))
+    when = f" after step {step}" if step is not None else " before its first step ended"
+    resume = f"continue with --checkpoint.resume=auto --job.output_dir={run_dir} (or let --max-restarts N restart it)"
+    if failure.exitcode < 0:
+        name = failure.signal_name()
+        if -failure.exitcode == signal.SIGKILL:
+            return WorkerFailed(f"rank {rank} was killed by SIGKILL{when} (killed by the OS, out of host memory?)",
+                                f"look for the OOM killer in the kernel log (dmesg); {resume}", EXIT_WORKER_DIED)
+        return WorkerFailed(f"rank {rank} was killed by {name}{when}", resume, EXIT_WORKER_DIED)
+    if rank in reports:  # it lost a peer, and no other rank said why
+        lost = reports[rank]["cause"].strip().splitlines()[-1]
+        return WorkerFailed(f"rank {rank} lost contact with the other ranks{when} ({lost}); the rank that died first "
+                            "left no error", resume, EXIT_WORKER_DIED)
+    return WorkerFailed(f"rank {rank} exited with code {failure.exitcode}{when} without leaving an error", resume,
+                        EXIT_WORKER_DIED)
+
+
+def _error_reports(run_dir: str) -> dict[int, dict]:
+    """rank -> the error that worker wrote (worker.report_error's format)."""
+    reports = {}
+    for path in Path(run_dir).glob("error-rank*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            reports[int(path.stem.removeprefix("error-rank"))] = json.loads(path.read_text())
+    return reports
+
+
+def _reported_failure(reports: dict[int, dict]) -> WorkerFailed:
+    """The errors workers wrote themselves; those of ranks that only lost a peer are left out."""
+    causes = {rank: r for rank, r in sorted(reports.items()) if not r.get("lost_peer")} or dict(sorted(reports.items()))
+    # A hang explains the rest: its declaring rank killed the stuck peers, whose collectives broke.
+    hung = {rank: r for rank, r in causes.items() if r.get("kind") == "hang"}
+    causes = hung or causes
+    first = next(iter(causes.values()))
+    ranks = ", ".join(str(rank) for rank in causes)
+    # A reported error with a fix is the user's to mend; one without is a crash (a bug).
+    code = first.get("exit_code") or (EXIT_USER_ERROR if first.get("fix") else EXIT_WORKER_DIED)
+    return WorkerFailed(f"training stopped on rank(s) {ranks}: {first['cause']}", first.get("fix"), code)
 
 
 def _stop_worker_server() -> None:
@@ -310,12 +499,20 @@ def _start_worker_server() -> None:
     server never touches CUDA, so its children initialise CUDA cleanly, as with spawn.
     Started as soon as the worker environment (GPU selection, thread counts) is final, its
     import runs while this process checks the config, model and data. The elastic
-    launcher's forkserver start method then uses this same server."""
+    launcher's forkserver start method then uses this same server.
+
+    The server ignores SIGTERM, inherited from here (it ignores SIGINT itself): a signal to
+    the whole process group (a scheduler's preemption, `timeout`) must leave it running, since
+    the agent learns its workers' exits through it while they save."""
     import multiprocessing
     from multiprocessing import forkserver
 
     multiprocessing.set_forkserver_preload(["duoka.train.worker"])
-    forkserver.ensure_running()
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     # A launch that fails before its workers start (a config or data error found after
     # this) ends the server on the way out, as _run_workers does after its workers.
     atexit.unregister(_stop_worker_server)  # once, however many launches this process makes
@@ -323,9 +520,10 @@ def _start_worker_server() -> None:
 
 
 def _shutdown_timeout() -> dict:
-    """On SIGTERM (preemption) the agent forwards it to the workers, which finish their step
-    and save a checkpoint; give them time before the agent's SIGKILL. LaunchConfig takes
-    the grace period in recent torch (2.13 here); older ones (2.11) keep their default."""
+    """On SIGTERM or SIGINT the agent forwards it to the workers, which finish their step and
+    save a checkpoint; it gives them DUOKA_SHUTDOWN_TIMEOUT seconds (600) before its SIGKILL,
+    so a stop that hangs still ends. LaunchConfig takes the grace period in recent torch (2.13
+    here); older ones (2.11) keep their default."""
     import dataclasses
 
     from torch.distributed.launcher.api import LaunchConfig
@@ -336,20 +534,12 @@ def _shutdown_timeout() -> dict:
 
 
 def _quiet_agent_logs() -> None:
-    """The elastic agent logs every worker exit with a traceback of its own polling code.
-    A failing worker already leaves its cause (and, for a crash, its traceback) in the run
-    directory, which becomes the one message the user reads; keep the agent's noise out."""
+    """The elastic agent logs every worker exit with a traceback of its own polling code, and
+    torch.multiprocessing each worker it terminates. A failing worker already leaves its cause
+    (and, for a crash, its traceback) in the run directory, and the agent's record says which
+    rank died first and how; together they make the one message the user reads."""
     import logging
 
     for name in list(logging.root.manager.loggerDict):
-        if name.startswith("torch.distributed.elastic"):
+        if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
-
-
-def _raise_worker_error(run_dir: str) -> None:
-    errors = sorted(Path(run_dir).glob("error-rank*.json"))
-    if not errors:
-        return
-    first = json.loads(errors[0].read_text())
-    ranks = ", ".join(e.stem.removeprefix("error-rank") for e in errors)
-    raise DuokaError(f"training stopped on rank(s) {ranks}: {first['cause']}", first["fix"])

@@ -19,8 +19,10 @@ import gzip
 import hashlib
 import json
 import os
+import re
+import zlib
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -29,7 +31,9 @@ from duoka.errors import DuokaError
 from duoka.models.qwen2.model import document_starts
 
 RANDOM_DATA = "random"
-
+MANIFEST = "manifest.json"  # of a `duoka prepare` folder
+PREPARE_AGAIN = ("run `duoka prepare` again with the same --data and --out: it redoes what is missing or damaged "
+                 "and keeps the rest")
 
 TEXT_SUFFIXES = (".txt", ".jsonl", ".jsonl.gz")
 
@@ -39,6 +43,9 @@ def corpus_files(path: Path, suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> list[
     names = ", ".join(suffixes)
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.name.endswith(suffixes))
+        if not files and any(path.glob("shard-*.npy")):
+            raise DuokaError(f"{path} holds `duoka prepare` shards but no {MANIFEST} (an interrupted prepare?)",
+                             PREPARE_AGAIN)
         if not files:
             raise DuokaError(f"data folder {path} has no {names} files",
                              "point data.path at a file or a folder of such files")
@@ -51,47 +58,107 @@ def corpus_files(path: Path, suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> list[
     return [path]
 
 
-def iter_documents(path: Path, text_field: str) -> Iterator[str]:
+class Skipped:
+    """Malformed records left out: their exact count and the first few, "file:line: reason"."""
+
+    SHOWN = 20  # enough to see the pattern; a corpus may have millions
+
+    def __init__(self):
+        self.count = 0
+        self.first: list[str] = []
+
+    def add(self, where: str) -> None:
+        self.count += 1
+        if len(self.first) < self.SHOWN:
+            self.first.append(where)
+
+
+# Bytes read to tell a binary file from text: a NUL byte among them means binary, as git and grep decide.
+BINARY_PROBE = 8192
+_NOT_UTF8 = re.compile("[\udc80-\udcff]")  # what surrogateescape makes of each byte that is not UTF-8
+
+
+def iter_lines(path: Path, on_bad: Callable[[str], None] | None = None) -> Iterator[tuple[int, str]]:
+    """(line number, text) of each line of a UTF-8 text file, .gz decompressed, with Python's
+    universal newlines. A binary file is an error naming it. A line that is not UTF-8 is an
+    error naming file:line, or, given `on_bad`, passed to it as "file:line: reason" and left out."""
+    opener = gzip.open if path.name.endswith(".gz") else open
+    try:
+        with opener(path, "rb") as f:
+            head = f.read(BINARY_PROBE)
+        nul = head.find(b"\0")
+        if nul >= 0:
+            raise DuokaError(f"{path} is a binary file, not UTF-8 text (a NUL byte at offset {nul})",
+                             "remove it from the data, or convert it to UTF-8 text "
+                             "(iconv -t UTF-8 for another text encoding)")
+        # surrogateescape: a bad byte costs its line only, not the rest of the file, and the
+        # line number stays exact (a strict decoder fails on a whole buffered block).
+        with opener(path, "rt", encoding="utf-8", errors="surrogateescape") as f:
+            for lineno, line in enumerate(f, start=1):
+                bad = _NOT_UTF8.search(line)
+                if bad is not None:
+                    where = (f"{path}:{lineno}: not UTF-8 (byte 0x{ord(bad.group()) - 0xDC00:02x} at character "
+                             f"{bad.start() + 1})")
+                    if on_bad is None:
+                        raise DuokaError(where, "fix or remove that line, or convert the file to UTF-8 "
+                                                "(iconv -t UTF-8); `duoka prepare` skips and counts such lines")
+                    on_bad(where)
+                    continue
+                yield lineno, line
+    except (OSError, EOFError, zlib.error) as e:  # unreadable, or a damaged or truncated .gz
+        raise DuokaError(f"{path} cannot be read ({str(e) or type(e).__name__})",
+                         "check the file (gzip -t for .gz); copy it again if it is damaged") from None
+
+
+def iter_documents(path: Path, text_field: str, skipped: Skipped | None = None) -> Iterator[str]:
+    """The documents of a .txt (blank-line-separated blocks) or JSONL file. A malformed record
+    (a line not UTF-8 or not JSON, a JSONL record without the text field) is an error naming
+    file:line, or, given `skipped`, counted there and left out (a .txt document whole)."""
     if path.name.endswith(".txt"):
-        # One document per block separated by a blank line.
         block: list[str] = []
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                if line.strip():
-                    block.append(line)
-                elif block:
-                    yield "".join(block).rstrip("\n")
-                    block = []
-        if block:
+        bad: list[str] = []  # lines of the current block that were not UTF-8 (left out)
+        for _, line in iter_lines(path, bad.append if skipped is not None else None):
+            if line.strip():
+                block.append(line)
+                continue
+            if bad:  # a bad line is not blank: it belongs to the block this blank line ends
+                skipped.add(f"{bad[0]}; its document was left out")
+            elif block:
+                yield "".join(block).rstrip("\n")
+            block, bad[:] = [], []
+        if bad:
+            skipped.add(f"{bad[0]}; its document was left out")
+        elif block:
             yield "".join(block).rstrip("\n")
         return
-    for lineno, record in iter_jsonl(path):
+    for lineno, record in iter_jsonl(path, skipped):
         text = record.get(text_field) if isinstance(record, dict) else None
-        if not isinstance(text, str):
+        if isinstance(text, str):
+            yield text
+        elif skipped is not None:
+            skipped.add(f"{path}:{lineno}: no string field {text_field!r}")
+        else:
             raise DuokaError(f"{path}:{lineno} has no string field {text_field!r}",
                              f"set data.text_field to the field that holds the text (keys here: "
                              f"{', '.join(record) if isinstance(record, dict) else type(record).__name__})")
-        yield text
 
 
-def iter_jsonl(path: Path, malformed: list[str] | None = None) -> Iterator[tuple[int, object]]:
+def iter_jsonl(path: Path, skipped: Skipped | None = None) -> Iterator[tuple[int, object]]:
     """(line number, parsed object) for each non-blank line of a .jsonl or .jsonl.gz file.
-    A line that is not JSON is an error, or, given a `malformed` list, noted there as
-    "file:line: reason" and skipped."""
-    opener = gzip.open if path.name.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                if malformed is None:
-                    raise DuokaError(f"{path}:{lineno} is not valid JSON ({e.msg})",
-                                     "fix or remove that line (each line must be one JSON object)") from None
-                malformed.append(f"{path}:{lineno}: not valid JSON ({e.msg})")
-                continue
-            yield lineno, record
+    A line that is not UTF-8 or not JSON is an error, or, given `skipped`, counted there and
+    left out."""
+    for lineno, line in iter_lines(path, skipped.add if skipped is not None else None):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if skipped is None:
+                raise DuokaError(f"{path}:{lineno} is not valid JSON ({e.msg})",
+                                 "fix or remove that line (each line must be one JSON object)") from None
+            skipped.add(f"{path}:{lineno}: not valid JSON ({e.msg})")
+            continue
+        yield lineno, record
 
 
 def cache_key(files: list[Path], *parts: object) -> str:
@@ -129,7 +196,7 @@ def tokenize_corpus(path: Path, tokenizer, text_field: str = "text") -> Path:
     files = corpus_files(path)
     eot = end_of_text_id(tokenizer)
     out = _cache_dir() / f"{cache_key(files, tokenizer.fingerprint, text_field, eot)}.npy"
-    if out.is_file():
+    if out.is_file() and _readable(out):  # a damaged cache is rebuilt, not trusted
         return out
 
     chunks, batch = [], []
@@ -155,16 +222,82 @@ def tokenize_corpus(path: Path, tokenizer, text_field: str = "text") -> Path:
     return out
 
 
+def read_manifest(folder: Path) -> dict:
+    """The manifest of a `duoka prepare` folder, refused with error/fix naming it when it is
+    missing, truncated or lacks what training reads."""
+    path = folder / MANIFEST
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DuokaError(f"{path} is missing", PREPARE_AGAIN) from None
+    except (OSError, ValueError) as e:  # ValueError: JSON (a truncated file) or UTF-8
+        raise DuokaError(f"{path} is damaged ({e})", PREPARE_AGAIN) from None
+    shards = manifest.get("shards") if isinstance(manifest, dict) else None
+    if not (isinstance(shards, list) and "tokenizer" in manifest and "tokenizer_dir" in manifest
+            and all(isinstance(s, dict) and isinstance(s.get("file"), str) and isinstance(s.get("tokens"), int)
+                    for s in shards)):
+        raise DuokaError(f"{path} is damaged (not the manifest `duoka prepare` writes)", PREPARE_AGAIN)
+    return manifest
+
+
+def open_tokens(path: Path, tokens: int | None = None, fix: str = PREPARE_AGAIN) -> np.ndarray:
+    """A token file as a read-only memory map, refused with error/fix naming it when it is
+    missing, truncated, not a 1-D integer array, or (given `tokens`) not that long."""
+    try:
+        array = np.load(path, mmap_mode="r")
+    except FileNotFoundError:
+        raise DuokaError(f"{path} is missing", fix) from None
+    except (OSError, ValueError, EOFError) as e:  # numpy says "mmap length is greater than file size" etc.
+        raise DuokaError(f"{path} is damaged ({str(e) or type(e).__name__})", fix) from None
+    if array.ndim != 1 or array.dtype.kind not in "ui":
+        raise DuokaError(f"{path} is damaged (a {array.dtype} array of shape {array.shape}, not 1-D token ids)", fix)
+    if tokens is not None and len(array) != tokens:
+        raise DuokaError(f"{path} holds {len(array):,} tokens, its manifest {tokens:,}", fix)
+    return array
+
+
+def _readable(path: Path) -> bool:
+    try:
+        open_tokens(path)
+        return True
+    except DuokaError:
+        return False
+
+
+# Token ids checked per slice of a memory map: a vectorised max over 64 MiB at a time reads
+# the corpus once at memory speed without ever holding more than that slice.
+TOKEN_CHECK_CHUNK = 16 * 2**20
+
+
+def check_token_range(array: np.ndarray, vocab_size: int, name: Path, fix: str) -> None:
+    """Every id in [0, vocab_size): an id beyond the embedding would crash a worker mid-run."""
+    for start in range(0, len(array), TOKEN_CHECK_CHUNK):
+        chunk = array[start : start + TOKEN_CHECK_CHUNK]
+        low, high = int(chunk.min()) if chunk.dtype.kind == "i" else 0, int(chunk.max())
+        if high >= vocab_size or low < 0:
+            at = start + int(np.argmax((chunk >= vocab_size) | (chunk < 0)))
+            raise DuokaError(f"{name} holds token id {int(array[at])} at position {at:,}, outside the model's "
+                             f"vocabulary of {vocab_size:,}", fix)
+
+
 class PackedWindows:
     """Window i = stream[i*seq_len : i*seq_len + seq_len + 1] (input and shifted label), where
-    the stream is one cached token file or the shards of a `duoka prepare` folder in order."""
+    the stream is one cached token file or the shards of a `duoka prepare` folder in order.
+    Given vocab_size (the launcher, once, before workers start), every token id is checked
+    against it."""
 
-    def __init__(self, token_path: Path, seq_len: int):
+    def __init__(self, token_path: Path, seq_len: int, vocab_size: int | None = None):
         if token_path.is_dir():  # a prepared folder
-            manifest = json.loads((token_path / "manifest.json").read_text())
-            self.shards = [np.load(token_path / s["file"], mmap_mode="r") for s in manifest["shards"] if s["tokens"]]
+            files = [(token_path / s["file"], s["tokens"]) for s in read_manifest(token_path)["shards"] if s["tokens"]]
+            # A shard of the right length with wrong ids looks complete to prepare: it must go first.
+            fix, redo = PREPARE_AGAIN, f"delete that shard, then {PREPARE_AGAIN}"
         else:
-            self.shards = [np.load(token_path, mmap_mode="r")]
+            files = [(token_path, None)]
+            fix = redo = f"delete {token_path} (a cache: the next run rebuilds it)"
+        self.shards = [open_tokens(path, tokens, fix) for path, tokens in files]
+        if vocab_size is not None:
+            for (path, _), shard in zip(files, self.shards):
+                check_token_range(shard, vocab_size, path, f"it is damaged or from another tokenizer: {redo}")
         self.starts = np.cumsum([0] + [len(s) for s in self.shards])
         total = int(self.starts[-1])
         self.seq_len = seq_len

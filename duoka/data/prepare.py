@@ -2,10 +2,16 @@
 
 Each source file becomes one shard (`shard-00000.npy`, uint32 ids, documents separated by
 the end-of-text token) with a small JSON record beside it (source, size and mtime,
-documents, tokens, malformed lines). Files are tokenized in parallel worker processes.
-A shard counts as done once its record exists (the record is written after the shard, both
-atomically), so an interrupted run resumes where it stopped and a repeated run on
-unchanged input with the same tokenizer does nothing. `manifest.json` is written last.
+documents, tokens, the count of malformed records and the first few). Files are tokenized
+in parallel worker processes. A shard counts as done once its record exists (the record is
+written after the shard, both atomically), names the source as it is now, the tokenizer and
+the text field, and the shard has the recorded length; so an interrupted run resumes where
+it stopped, a damaged or missing shard is redone, and a repeated run on unchanged input
+does nothing. `manifest.json` is written last.
+
+Each malformed record (a JSONL line that is not UTF-8 or not JSON or lacks the text field,
+a .txt document with a line that is not UTF-8, a Parquet row that is not text) is counted
+and left out, or with on_error="fail" ends the run; a binary or unreadable file is an error.
 
 Training reads the folder with `data.path=DIR`: the shards in order form the same token
 stream as tokenizing the files at launch would.
@@ -20,11 +26,19 @@ from pathlib import Path
 
 import numpy as np
 
-from duoka.data.dataset import TEXT_SUFFIXES, corpus_files, end_of_text_id, iter_documents, iter_jsonl
+from duoka.data.dataset import (
+    MANIFEST,
+    TEXT_SUFFIXES,
+    Skipped,
+    corpus_files,
+    end_of_text_id,
+    iter_documents,
+    open_tokens,
+    read_manifest,
+)
 from duoka.data.tokenizer import Tokenizer
 from duoka.errors import DuokaError
 
-MANIFEST = "manifest.json"
 _worker_tokenizer: Tokenizer | None = None
 
 
@@ -32,34 +46,28 @@ def source_files(path: Path) -> list[Path]:
     return corpus_files(path, TEXT_SUFFIXES + (".parquet",))
 
 
-def _documents(path: Path, text_field: str, malformed: list):
-    """Documents of one file; malformed records are noted (file:line, reason) and skipped."""
-    if path.name.endswith(".txt"):
-        yield from iter_documents(path, text_field)
-        return
-    if path.name.endswith(".parquet"):
-        try:
-            import pyarrow.parquet as pq
-        except ImportError:
-            raise DuokaError(f"{path} is Parquet, which needs pyarrow", "pip install pyarrow") from None
-        table = pq.read_table(path, columns=[text_field]) if text_field in pq.read_schema(path).names else None
-        if table is None:
-            raise DuokaError(f"{path} has no column {text_field!r}", "set --text-field to the text column")
-        for row, text in enumerate(table.column(text_field).to_pylist(), start=1):
-            if isinstance(text, str):
-                yield text
-            else:
-                malformed.append(f"{path}:row {row}: {text_field} is {type(text).__name__}, not text")
+def _documents(path: Path, text_field: str, skipped: Skipped):
+    """Documents of one file; each malformed record (a JSONL line, a .txt document, a Parquet
+    row) is counted in `skipped` and left out."""
+    if not path.name.endswith(".parquet"):
+        yield from iter_documents(path, text_field, skipped)
         return
     try:
-        for lineno, record in iter_jsonl(path, malformed):
-            text = record.get(text_field) if isinstance(record, dict) else None
-            if isinstance(text, str):
-                yield text
-            else:
-                malformed.append(f"{path}:{lineno}: no string field {text_field!r}")
-    except UnicodeDecodeError as e:
-        malformed.append(f"{path}: not UTF-8 ({e.reason}); the rest of the file was skipped")
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DuokaError(f"{path} is Parquet, which needs pyarrow", "pip install pyarrow") from None
+    try:
+        table = pq.read_table(path, columns=[text_field]) if text_field in pq.read_schema(path).names else None
+    except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        raise DuokaError(f"{path} cannot be read as Parquet ({e})", "check the file; copy it again if it is damaged") \
+            from None
+    if table is None:
+        raise DuokaError(f"{path} has no column {text_field!r}", "set --text-field to the text column")
+    for row, text in enumerate(table.column(text_field).to_pylist(), start=1):
+        if isinstance(text, str):
+            yield text
+        else:
+            skipped.add(f"{path}:row {row}: {text_field} is {type(text).__name__}, not text")
 
 
 def _init_worker(tokenizer_dir: str) -> None:
@@ -67,9 +75,9 @@ def _init_worker(tokenizer_dir: str) -> None:
     _worker_tokenizer = Tokenizer(tokenizer_dir)
 
 
-def _tokenize_file(source: str, shard: str, text_field: str, eot: int) -> dict:
+def _tokenize_file(source: str, shard: str, text_field: str, eot: int, tokenizer: str) -> dict:
     tok = _worker_tokenizer
-    malformed: list[str] = []
+    skipped = Skipped()
     chunks, batch, docs = [], [], 0
 
     def flush():
@@ -77,7 +85,7 @@ def _tokenize_file(source: str, shard: str, text_field: str, eot: int) -> dict:
             chunks.append(np.asarray(ids + [eot], dtype=np.uint32))
         batch.clear()
 
-    for doc in _documents(Path(source), text_field, malformed):
+    for doc in _documents(Path(source), text_field, skipped):
         batch.append(doc)
         docs += 1
         if len(batch) >= 1024:
@@ -90,7 +98,8 @@ def _tokenize_file(source: str, shard: str, text_field: str, eot: int) -> dict:
     os.replace(tmp, shard_path)
     st = Path(source).stat()
     record = {"source": source, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "shard": shard_path.name,
-              "documents": docs, "tokens": int(len(tokens)), "malformed": malformed}
+              "tokenizer": tokenizer, "text_field": text_field, "documents": docs, "tokens": int(len(tokens)),
+              "malformed_count": skipped.count, "malformed": skipped.first}
     _write_json(shard_path.with_suffix(".json"), record)  # last: marks the shard complete
     return record
 
@@ -101,25 +110,52 @@ def _write_json(path: Path, data) -> None:
     os.replace(tmp, path)
 
 
+def _read_record(path: Path) -> dict | None:
+    """A shard's record, or None when it is missing or damaged (the shard is then redone)."""
+    try:
+        rec = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return rec if isinstance(rec, dict) else None
+
+
+def _shard_done(rec: dict | None, src: Path, shard: Path, tokenizer: str, text_field: str, old: dict | None) -> bool:
+    """The shard is the tokenization of src as it is now, with this tokenizer and field, and intact.
+    Records of older versions name neither tokenizer nor field: those of their manifest apply."""
+    if rec is None:
+        return False
+    st = src.stat()
+    old = old or {}
+    try:
+        same = (rec["source"] == str(src) and rec["size"] == st.st_size and rec["mtime_ns"] == st.st_mtime_ns
+                and rec.get("tokenizer", old.get("tokenizer")) == tokenizer
+                and rec.get("text_field", old.get("text_field")) == text_field)
+        if same and rec["tokens"]:
+            open_tokens(shard, rec["tokens"])
+        return same and shard.is_file()
+    except (KeyError, TypeError, DuokaError):  # a record of another shape, or a truncated or missing shard
+        return False
+
+
 def prepare(data: Path, out: Path, tokenizer_dir: Path, text_field: str = "text", workers: int | None = None,
             on_error: str = "skip", log=print, progress: bool = True) -> dict:
     tokenizer = Tokenizer(tokenizer_dir)
     eot = end_of_text_id(tokenizer)
     files = source_files(data)
     out.mkdir(parents=True, exist_ok=True)
-    old = json.loads((out / MANIFEST).read_text()) if (out / MANIFEST).is_file() else None
+    old = None
+    if (out / MANIFEST).is_file():
+        try:
+            old = read_manifest(out)
+        except DuokaError as e:  # rewritten at the end; the records alone say which shards are sound
+            log(f"duoka: {e.cause}; it is written again")
     if old and old["tokenizer"] != tokenizer.fingerprint:
         raise DuokaError(f"{out} was prepared with another tokenizer ({old['tokenizer']})",
                          "prepare into a new folder, or delete this one")
     shards = [out / f"shard-{i:05d}.npy" for i in range(len(files))]
-    todo = []
-    for src, shard in zip(files, shards):
-        rec_path = shard.with_suffix(".json")
-        rec = json.loads(rec_path.read_text()) if rec_path.is_file() else None
-        st = src.stat()
-        if not (rec and rec["source"] == str(src) and rec["size"] == st.st_size and rec["mtime_ns"] == st.st_mtime_ns
-                and shard.is_file()):
-            todo.append((src, shard))
+    todo = [(src, shard) for src, shard in zip(files, shards)
+            if not _shard_done(_read_record(shard.with_suffix(".json")), src, shard, tokenizer.fingerprint,
+                               text_field, old)]
     if not todo and old is not None:
         log(f"duoka: {out} is up to date ({old['documents']:,} documents, {old['tokens']:,} tokens); nothing to do")
         return old
@@ -132,28 +168,31 @@ def prepare(data: Path, out: Path, tokenizer_dir: Path, text_field: str = "text"
                   disable=not progress, transient=True) as bar, \
             ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(str(tokenizer.folder),)) as pool:
         task = bar.add_task("files", total=len(todo))
-        futures = [pool.submit(_tokenize_file, str(src), str(shard), text_field, eot) for src, shard in todo]
+        futures = [pool.submit(_tokenize_file, str(src), str(shard), text_field, eot, tokenizer.fingerprint)
+                   for src, shard in todo]
         for fut in as_completed(futures):
             fut.result()
             bar.advance(task)
 
     records = [json.loads(s.with_suffix(".json").read_text()) for s in shards]
-    malformed = [m for r in records for m in r["malformed"]]
-    for line in malformed[:20]:
+    # Records before malformed_count listed every malformed record.
+    skipped = sum(r.get("malformed_count", len(r["malformed"])) for r in records)
+    first = [m for r in records for m in r["malformed"]][: Skipped.SHOWN]
+    for line in first:
         log(f"duoka: malformed: {line}")
-    if len(malformed) > 20:
-        log(f"duoka: ... and {len(malformed) - 20} more malformed records")
-    if malformed and on_error == "fail":
-        raise DuokaError(f"{len(malformed)} malformed record(s), first: {malformed[0]}",
+    if skipped > len(first):
+        log(f"duoka: ... and {skipped - len(first):,} more malformed records")
+    if skipped and on_error == "fail":
+        raise DuokaError(f"{skipped:,} malformed record(s), first: {first[0]}",
                          "fix the input, or pass --on-error skip to leave them out")
     manifest = {"tokenizer": tokenizer.fingerprint, "tokenizer_dir": str(tokenizer.folder), "end_of_text": eot,
                 "text_field": text_field, "documents": sum(r["documents"] for r in records),
-                "tokens": sum(r["tokens"] for r in records), "malformed": len(malformed),
+                "tokens": sum(r["tokens"] for r in records), "malformed": skipped,
                 "shards": [{"file": r["shard"], "source": r["source"], "documents": r["documents"],
                             "tokens": r["tokens"]} for r in records]}
     _write_json(out / MANIFEST, manifest)
     log(f"duoka: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens in {len(records)} shard(s); "
-        f"{len(malformed)} malformed record(s) skipped")
+        f"{skipped:,} malformed record(s) skipped")
     return manifest
 
 

@@ -2,20 +2,23 @@
 the loss on the assistant's turns only, short conversations packed into windows.
 
 Input: JSONL (or .jsonl.gz) with one conversation per line, `{"messages": [{"role": ...,
-"content": ...}, ...]}`. Each conversation is rendered with the tokenizer's chat template
-and tokenized; a token is a target when its characters lie in an assistant turn: the
-spans come from the template's `{% generation %}` blocks where it has them, otherwise
-from rendering the conversation up to each assistant turn (ChatML templates such as
-Qwen2's render every prefix as a prefix of the whole). Conversations longer than a
-window are truncated or dropped (`data.sft_overlong`), and one with no assistant token
-left in its window (none at all, or cut off) is skipped, with counts reported. Whole
-conversations are packed first-fit into windows of seq_len + 1 tokens, each followed by
-an end-of-text token that is never a target, padding with end-of-text at the end; with
-`data.document_masking` no conversation attends to another.
+"content": ...}, ...]}`; a line that is not UTF-8 or JSON, or a message with an unknown
+role (a misspelling) or without string content, is an error naming file:line. Each
+conversation is rendered with the tokenizer's chat template and tokenized; a token is a
+target when its characters lie in an assistant turn: the spans come from the template's
+`{% generation %}` blocks where it has them, otherwise from rendering the conversation up
+to each assistant turn (ChatML templates such as Qwen2's render every prefix as a prefix
+of the whole). Conversations longer than a window are truncated or dropped
+(`data.sft_overlong`), and one with no assistant token left in its window (none at all, or
+cut off) is skipped, with counts reported. Whole conversations are packed first-fit into
+windows of seq_len + 1 tokens, each followed by an end-of-text token that is never a
+target, padding with end-of-text at the end; with `data.document_masking` no conversation
+attends to another.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import os
 from dataclasses import dataclass
@@ -64,14 +67,39 @@ def encode_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], lis
     return ids, keep
 
 
+# The roles chat templates know (Qwen2's ChatML, OpenAI's, Llama 3's ipython). Any other is
+# refused: most likely a misspelling, it would render as a turn of no one and, never being
+# "assistant", silently teach nothing.
+ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
+
+
+def _check_messages(messages, where: str, field: str) -> None:
+    """Every message has a known role and string content (an assistant's may be null when it
+    calls tools), else an error naming file:line and the message."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise DuokaError(f"{where} has no list of messages in field {field!r}",
+                         f'each line needs {{"{field}": [{{"role": "user", "content": "..."}}, ...]}} '
+                         "(set data.messages_field if the field is named differently)")
+    for i, m in enumerate(messages, start=1):
+        role = m.get("role")
+        if role not in ROLES:
+            close = difflib.get_close_matches(str(role), ROLES, n=1)
+            raise DuokaError(f"{where}: message {i} has role {role!r}, which no chat template knows",
+                             (f"did you mean {close[0]!r}? " if close else "") + f"use one of: {', '.join(ROLES)}")
+        content = m.get("content")
+        if not (isinstance(content, str) or (content is None and role == "assistant" and m.get("tool_calls"))):
+            got = "no content" if "content" not in m else f"content of type {type(content).__name__}"
+            raise DuokaError(f"{where}: message {i} ({role}) has {got}",
+                             'give each message "content": "..." as a string')
+
+
 def iter_conversations(path: Path, field: str):
+    """(file:line, messages) per conversation; a malformed one is an error naming file:line:
+    a converter's mistake repeats on every line, and a skipped conversation would go unnoticed."""
     for lineno, record in iter_jsonl(path):
         messages = record.get(field) if isinstance(record, dict) else None
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise DuokaError(f"{path}:{lineno} has no list of messages in field {field!r}",
-                             f'each line needs {{"{field}": [{{"role": "user", "content": "..."}}, ...]}} '
-                             "(set data.messages_field if the field is named differently)")
-        yield messages
+        _check_messages(messages, f"{path}:{lineno}", field)
+        yield f"{path}:{lineno}", messages
 
 
 def prepare_sft(path: Path, tokenizer, seq_len: int, field: str = "messages", overlong: str = "truncate"):
@@ -84,16 +112,20 @@ def prepare_sft(path: Path, tokenizer, seq_len: int, field: str = "messages", ov
     # "v2": windows no longer hold conversations without targets (older caches are rebuilt).
     stem = _cache_dir() / f"sft-{cache_key(files, tokenizer.fingerprint, field, seq_len, overlong, 'v2')}"
     tokens_path, mask_path, stats_path = (stem.with_suffix(s) for s in (".tokens.npy", ".mask.npy", ".json"))
-    if tokens_path.is_file() and mask_path.is_file() and stats_path.is_file():
-        return tokens_path, SFTStats(**json.loads(stats_path.read_text()))
+    cached = _read_cache(tokens_path, mask_path, stats_path)
+    if cached is not None:
+        return tokens_path, cached
 
     width = seq_len + 1
     stats = SFTStats()
     windows: list[tuple[list[int], list[int]]] = []  # open windows, first-fit
     for f in files:
-        for messages in iter_conversations(f, field):
+        for where, messages in iter_conversations(f, field):
             stats.conversations += 1
-            ids, keep = encode_conversation(tokenizer, messages)
+            try:
+                ids, keep = encode_conversation(tokenizer, messages)
+            except DuokaError as e:  # the template's complaint, located
+                raise DuokaError(f"{where}: {e.cause}", e.fix) from None
             ids, keep = ids + [eot], keep + [0]  # the separator is never a target
             if len(ids) > width:
                 if overlong == "drop":
@@ -132,6 +164,16 @@ def prepare_sft(path: Path, tokenizer, seq_len: int, field: str = "messages", ov
         os.replace(tmp, target)
     stats_path.write_text(json.dumps(stats.__dict__))
     return tokens_path, stats
+
+
+def _read_cache(tokens_path: Path, mask_path: Path, stats_path: Path) -> SFTStats | None:
+    """The cached stats when all three files are there and sound, else None (rebuilt)."""
+    try:
+        stats = SFTStats(**json.loads(stats_path.read_text()))
+        tokens, mask = np.load(tokens_path, mmap_mode="r"), np.load(mask_path, mmap_mode="r")
+    except (OSError, ValueError, EOFError, TypeError):  # missing, truncated, or another version's
+        return None
+    return stats if tokens.ndim == 2 and tokens.shape == mask.shape and len(tokens) == stats.windows else None
 
 
 class SFTWindows:

@@ -188,7 +188,7 @@ class Tokenizer:
                                                documents=documents, add_generation_prompt=add_generation_prompt,
                                                **context):
                     blocks.append(block)
-        except jinja2.TemplateError as e:
+        except (jinja2.TemplateError, TypeError) as e:  # TypeError: a value the template cannot combine (None + str)
             raise DuokaError(f"the chat template rejected these messages: {e}",
                              "check the roles and their order (most templates want alternating user/assistant turns)") from None
         text = "".join(blocks)

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 
 @dataclass(frozen=True)
 class Alert:
-    kind: str  # imbalance | throttling | memory | data_wait | low_mfu
+    kind: str  # imbalance | throttling | memory | data_wait | low_mfu | nonfinite | loss_spike | straggler
     message: str
 
     def to_dict(self) -> dict:
@@ -68,4 +68,27 @@ def check(record: dict, n_params: float, *, imbalance=0.15, memory=0.90, data_wa
         out.append(Alert("low_mfu", f"MFU {mfu:.0%} is under half of the ~{expected_mfu(n_params):.0%} this model "
                                     "reaches on these GPUs: use training.compile=true, a larger micro-batch, and see "
                                     "the step breakdown in metrics.jsonl (phase_s) for what dominates"))
+    return out
+
+
+def health_alerts(record: dict) -> list[Alert]:
+    """From the step's `health` (duoka.train.health): a non-finite step and a loss spike.
+    Unlike the others these matter from the first step: no warm-up holds them back."""
+    health = record.get("health")
+    if not health:
+        return []
+    out: list[Alert] = []
+    step, skipped = record["step"], health["skipped"]
+    if health["nonfinite_in_row"]:
+        out.append(Alert("nonfinite", f"step {step}: loss {record['loss']:.4g}, gradient norm "
+                                      f"{record['grad_norm']:.4g}: NaN or infinite"
+                                      + (", the update was skipped" if skipped else "")
+                                      + f" ({health['nonfinite_in_row']} in a row; the job stops after "
+                                        "reliability.max_nonfinite_steps): lower optimizer.lr, lengthen "
+                                        "optimizer.warmup_steps or set training.grad_clip"))
+    if health["spike"]:
+        out.append(Alert("loss_spike", f"step {step}: loss {record['loss']:.4f} lies {health['loss_zscore']:.1f} "
+                                       "standard deviations above the mean of the steps before"
+                                       + (", the update was skipped" if skipped else "")
+                                       + ": if spikes recur, lower optimizer.lr or look at the data of these steps"))
     return out

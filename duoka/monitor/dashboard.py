@@ -41,7 +41,8 @@ def run_view(records: list[dict], title: str):
     r = records[-1]
     mfu = "-" if r.get("mfu") is None else f"{r['mfu']:.1%}"
     head = Text.assemble(
-        (f"{title}  ", "bold"), f"step {r['step']}  loss {r['loss']:.4f}  grad norm {r['grad_norm']:.3f}  ",
+        (f"{title}  ", "bold"),  # loss and norm are null when NaN or infinite
+        f"step {r['step']}  loss {_num(r['loss'], '{:.4f}')}  grad norm {_num(r['grad_norm'], '{:.3f}')}  ",
         f"lr {r['lr']:.2e}  {r['tokens_per_s']:,.0f} tok/s ({r['tokens_per_s_per_gpu']:,.0f}/GPU)  MFU {mfu}  ",
         f"step {r['step_time_s'] * 1e3:.0f} ms  data wait {r['data_time_s'] * 1e3:.1f} ms")
     phases = r.get("phase_s", {})

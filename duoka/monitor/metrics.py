@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -39,15 +40,31 @@ def mfu(flops_per_token: float, tokens_per_s: float, n_devices: int, peak: float
 
 class MetricsFile:
     """One JSON object per optimizer step, appended and flushed so `tail -f` and the monitor
-    see each step as it completes."""
+    see each step as it completes. Strict JSON: a NaN or infinite figure is written as null
+    (JSON has no such numbers, and strict parsers refuse Python's bare NaN)."""
 
     def __init__(self, path: Path):
         self.path = path
         self._f = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._f.write(json.dumps(record, separators=(",", ":")) + "\n")
+        try:
+            line = json.dumps(record, separators=(",", ":"), allow_nan=False)
+        except ValueError:  # a non-finite figure somewhere: rare, so only then is the record copied
+            line = json.dumps(_null_nonfinite(record), separators=(",", ":"), allow_nan=False)
+        self._f.write(line + "\n")
         self._f.flush()
 
     def close(self) -> None:
         self._f.close()
+
+
+def _null_nonfinite(value: Any) -> Any:
+    """`value` with every NaN or infinite float, however deep, replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _null_nonfinite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_null_nonfinite(v) for v in value]
+    return value

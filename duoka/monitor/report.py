@@ -121,7 +121,8 @@ def render(run_dir: Path) -> str:
             alerts.setdefault(a["kind"], (r["step"], a["message"]))
     config = (run_dir / "config.toml").read_text() if (run_dir / "config.toml").exists() else ""
     mfu = "-" if last.get("mfu") is None else f"{last['mfu']:.1%}"
-    summary = (f"{len(records)} steps recorded, last step {last['step']}: loss {last['loss']:.4f}, "
+    loss = "-" if last["loss"] is None else f"{last['loss']:.4f}"  # null: NaN or infinite
+    summary = (f"{len(records)} steps recorded, last step {last['step']}: loss {loss}, "
                f"{last['tokens_per_s']:,.0f} tokens/s ({last['tokens_per_s_per_gpu']:,.0f} per GPU), MFU {mfu}, "
                f"{last['tokens']:,} tokens in all.")
     alert_html = "".join(f"<li><b>{html.escape(k)}</b> (first at step {s}): {html.escape(m)}</li>"

@@ -121,12 +121,16 @@ class PrometheusSink:
         self.share = g("duoka_balance_share_samples", "Samples of each global batch given to the rank", rank)
         self.speed = g("duoka_balance_speed_samples_per_second", "Rank's measured forward speed", rank)
         self.alert = g("duoka_alert", "1 while an alert of this kind is active", ["kind"])
+        self.skipped = g("duoka_skipped_steps", "Optimizer updates skipped so far (non-finite loss or gradient "
+                                                "norm, or a skipped loss spike)")
         self._active_alerts: set[str] = set()
         self._throttled: set[tuple] = set()
 
     def write(self, r: dict) -> None:
+        # A NaN loss or gradient norm is shown as NaN: keeping the last finite value would hide
+        # a diverged run. None (not measured, e.g. MFU on CPU) leaves the gauge as it is.
         for key, gauge in self.scalars.items():
-            if _finite(r.get(key)):
+            if r.get(key) is not None:
                 gauge.set(r[key])
         for phase, seconds in r.get("phase_s", {}).items():
             self.phase.labels(phase).set(seconds)
@@ -135,7 +139,7 @@ class PrometheusSink:
             scale = GIB if key.endswith("_gib") else 1
             for rank in self.ranks:
                 values = per_rank.get(key)
-                if values and rank < len(values) and _finite(values[rank]):
+                if values and rank < len(values) and values[rank] is not None:
                     gauge.labels(str(rank), self.host).set(values[rank] * scale)
         throttled = set()
         for s in r.get("gpus", []):
@@ -155,6 +159,8 @@ class PrometheusSink:
                 self.share.labels(str(rank), self.host).set(balance["shares"][rank])
                 if _finite(balance["speed"][rank]):
                     self.speed.labels(str(rank), self.host).set(balance["speed"][rank])
+        if r.get("health"):
+            self.skipped.set(r["health"]["skipped_steps"])
         active = {a["kind"] for a in r.get("alerts", [])}
         for kind in active | self._active_alerts:
             self.alert.labels(kind).set(1 if kind in active else 0)

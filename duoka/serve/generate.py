@@ -10,6 +10,7 @@ which removes the per-kernel launch cost that dominates batch-1 decoding.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -31,8 +32,9 @@ class SamplingParams:
     def __post_init__(self):
         if self.max_new_tokens < 1:
             raise DuokaError(f"max_new_tokens={self.max_new_tokens} must be at least 1")
-        if self.temperature < 0:
-            raise DuokaError(f"temperature={self.temperature} must be >= 0", "use 0 for greedy decoding")
+        if not math.isfinite(self.temperature) or self.temperature < 0:  # nan passes `< 0`; inf samples uniformly
+            raise DuokaError(f"temperature={self.temperature} must be a finite number >= 0",
+                             "use 0 for greedy decoding, or e.g. 0.7 to sample")
         if self.top_k is not None and self.top_k < 1:
             raise DuokaError(f"top_k={self.top_k} must be >= 1", "leave it unset to sample from the whole vocabulary")
         if self.top_p is not None and not 0 < self.top_p <= 1:

@@ -45,12 +45,12 @@ class Checkpointer:
     @property
     def written_here(self) -> bool:
         """This rank's background write has finished (what it reports in the step's figures)."""
-        return self.pending is not None and self.pending.future.done()
+        return self.pending is not None and self.pending.done()
 
     def finish_if_written_everywhere(self, everywhere: bool) -> None:
         """Publish a background save once every rank's write is done. Decided from the
-        gathered figures, so all ranks enter the barrier in finish() at the same step; each
-        rank's own poll could differ and leave one rank in the barrier alone."""
+        gathered figures, so all ranks enter finish()'s collective at the same step; each
+        rank's own poll could differ and leave one rank in it alone."""
         if self.pending is not None and everywhere:
             with sync_debug("default"):
                 self.finish()
@@ -58,11 +58,10 @@ class Checkpointer:
     def finish(self) -> None:
         if self.pending is None:
             return
-        self.pending.poll(wait=True)
-        self.console.print(f"checkpoint step-{self.pending.step} written in the background: training blocked "
-                           f"{self.pending.blocked_s:.2f} s")
-        self.pending = None
-        dist.barrier()
+        pending, self.pending = self.pending, None
+        pending.finish()  # every rank: a failed save is one DuokaError everywhere
+        self.console.print(f"checkpoint step-{pending.step} written in the background: training blocked "
+                           f"{pending.blocked_s:.2f} s")
 
     def close(self) -> None:
         if self.stager is not None:

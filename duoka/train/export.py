@@ -4,6 +4,7 @@ any layout), and the trainer's export of the model it holds."""
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -15,21 +16,38 @@ from duoka.models.qwen2.args import ModelArgs
 from duoka.models.qwen2.hf_adapter import save_hf_checkpoint, save_hf_state_dict
 from duoka.models.qwen2.model import build_model, materialize
 from duoka.parallel.parallelize import unwrap
-from duoka.train.checkpoint import STATE_FILE, load_model_weights, read_train_state
+from duoka.train.checkpoint import load_model_weights
+from duoka.train.integrity import (
+    MANIFEST,
+    METADATA,
+    STATE_FILE,
+    disk_full,
+    find_damage,
+    has_manifest,
+    is_disk_full,
+    read_state,
+)
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")
 
 
 def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_shard_size: str = "5GB",
-                      no_dist: bool = False) -> Path:
+                      no_dist: bool = False, warn: Callable[[str], None] | None = None) -> Path:
     """no_dist: read in this process alone although a process group exists (the trainer's
-    rank 0 exporting at the end of a pipeline-parallel run)."""
-    if not (checkpoint / STATE_FILE).is_file() or not (checkpoint / ".metadata").is_file():
+    rank 0 exporting at the end of a pipeline-parallel run). The checkpoint passes the
+    checks a resume does (manifest, restricted metadata unpickler) before any tensor is read."""
+    if not any((checkpoint / name).is_file() for name in (STATE_FILE, METADATA, MANIFEST)):
         hint = " (a .partial folder is an interrupted save)" if checkpoint.name.endswith(".partial") else ""
         raise DuokaError(f"{checkpoint} is not a complete duoka checkpoint{hint}",
                          "pass a RUN_DIR/checkpoints/step-N folder")
-    state = read_train_state(checkpoint)
+    if (damage := find_damage(checkpoint)) is not None:
+        raise DuokaError(f"{checkpoint} is damaged: {damage}",
+                         "export another checkpoint of the run (RUN_DIR/checkpoints/step-N), or restore this one's "
+                         "files from a copy")
+    if not has_manifest(checkpoint) and warn is not None:
+        warn(f"{checkpoint} has no manifest (saved by an older duoka): not verified")
+    state = read_state(checkpoint)
     args = ModelArgs(**state["model_args"])
     # One process, full model in fp32 on the host: DCP reads every shard of every rank.
     model = materialize(build_model(args), "cpu", torch.float32)
@@ -37,8 +55,13 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_
         warnings.filterwarnings("ignore", message=".*single process.*")  # one process reading all shards is intended
         load_model_weights(checkpoint, model, no_dist=no_dist)
     extra = [checkpoint / name for name in TOKENIZER_FILES if (checkpoint / name).is_file()]
-    return save_hf_checkpoint(model, out, max_shard_size=max_shard_size, dtype=getattr(torch, dtype),
-                              extra_files=extra)
+    try:
+        return save_hf_checkpoint(model, out, max_shard_size=max_shard_size, dtype=getattr(torch, dtype),
+                                  extra_files=extra)
+    except OSError as e:  # the partial output folder is gone already (save_hf_checkpoint)
+        if is_disk_full(e):
+            raise disk_full(out, args.num_params() * getattr(torch, dtype).itemsize) from None
+        raise
 
 
 def export_trained(model, args: ModelArgs, run_dir: Path, step: int, tokenizer_files: tuple[str, ...],

@@ -18,10 +18,12 @@ import torch
 import torch.distributed as dist
 
 from duoka.errors import DuokaError
+from duoka.monitor.alerts import Alert, health_alerts
 from duoka.monitor.alerts import check as check_alerts
 from duoka.monitor.gpu import GpuSample, GpuSampler, decode_clock_reasons, index_of_uuid, load_nvml
 from duoka.monitor.metrics import MetricsFile, mfu
 from duoka.monitor.sinks import PrometheusSink, TensorBoardSink
+from duoka.train.spec import RESTARTS_LOG
 
 # GpuSample fields carried per rank; the two masks are decoded into word lists in the record.
 GPU_FIELDS = ("index", "utilization_pct", "memory_used_bytes", "memory_total_bytes", "temperature_c", "power_w",
@@ -92,6 +94,10 @@ class StepMetrics:
         self.active_alerts: set[str] = set()
         if rank == 0:
             truncate_metrics(run_dir / "metrics.jsonl", start_step)
+        # Automatic restarts of this run so far (--max-restarts; node 0's launcher logs each
+        # one before it starts the group again).
+        restarts = run_dir / RESTARTS_LOG
+        self.restarts = len(restarts.read_text().splitlines()) if restarts.exists() else 0
         self.sinks = self._open_sinks()
         self.gpu_sampler = self._gpu_sampler()
 
@@ -146,7 +152,7 @@ class StepMetrics:
         record = {
             "step": step,
             "loss": sum(r.loss_sum for r in ranks) / tokens,
-            "loss_max_rank": max((x for x in rank_loss if x is not None), default=None),
+            "loss_max_rank": _largest([x for x in rank_loss if x is not None]),
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens": tokens_seen,
@@ -155,6 +161,7 @@ class StepMetrics:
             "mfu": mfu(self.flops_per_token, tps, self.world, self.peak),
             "step_time_s": slowest,
             "data_time_s": max(r.data_time for r in ranks),
+            "restarts": self.restarts,
             "per_rank": {
                 "loss": rank_loss,
                 "step_time_s": [r.step_time for r in ranks],
@@ -170,10 +177,11 @@ class StepMetrics:
             record["gpus"] = [gpu_reading(rank, r) for rank, r in enumerate(ranks)]
         return record
 
-    def publish(self, record: dict, elapsed: float) -> None:
-        """Alerts (each logged once when it starts), every sink, and the console line."""
+    def publish(self, record: dict, elapsed: float, announced: tuple[Alert, ...] | list[Alert] = ()) -> None:
+        """Alerts (each logged once when it starts), every sink, and the console line.
+        `announced`: alerts their component already printed when they arose (a stall's)."""
         if self.cfg.metrics.alerts:
-            record["alerts"] = self._alerts(record)
+            record["alerts"] = self._alerts(record) + [a.to_dict() for a in announced]
         for sink in self.sinks:
             sink.write(record)
         step = record["step"]
@@ -181,9 +189,9 @@ class StepMetrics:
             self.console.progress(record, self.steps, elapsed, self.start_step)
 
     def _alerts(self, record: dict) -> list[dict]:
-        if record["step"] <= self.start_step + ALERT_WARMUP_STEPS:
-            return []
-        found = check_alerts(record, self.n_params)
+        found = health_alerts(record)
+        if record["step"] > self.start_step + ALERT_WARMUP_STEPS:
+            found += check_alerts(record, self.n_params)
         for a in found:
             if a.kind not in self.active_alerts:
                 self.console.print(f"[bold yellow]alert ({a.kind})[/]: {a.message}")
@@ -195,6 +203,13 @@ class StepMetrics:
             sink.close()
         if self.gpu_sampler is not None:
             self.gpu_sampler.close()
+
+
+def _largest(values: list[float]) -> float | None:
+    """The largest value, NaN if any is NaN (Python's max would depend on the order)."""
+    if any(math.isnan(x) for x in values):
+        return math.nan
+    return max(values, default=None)
 
 
 def memory_figures(device: torch.device) -> dict:

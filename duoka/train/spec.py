@@ -35,5 +35,8 @@ class RunSpec:
         return Config.from_dict(self.config)
 
 
-# Written into the run directory by rank 0 when a run saved and stopped early (SIGTERM).
+# Written into the run directory by rank 0 when a run saved and stopped early (SIGTERM or
+# SIGINT); node 0's launcher removes it when a run starts.
 STOPPED_MARKER = "STOPPED"
+# One line per automatic restart (--max-restarts), appended by node 0's launcher.
+RESTARTS_LOG = "restarts.jsonl"

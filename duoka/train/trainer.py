@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
 import time
 from pathlib import Path
 
@@ -40,12 +41,14 @@ from duoka.train.balancing import LoadBalancing
 from duoka.train.checkpointing import Checkpointer
 from duoka.train.console import console_for
 from duoka.train.export import export_trained
+from duoka.train.health import Health
 from duoka.train.metrics import RankFigures, StepMetrics, memory_figures
 from duoka.train.model_setup import Filler, Pipeline, auto_micro_batch, build_training_model, model_options
 from duoka.train.optim import build_optimizer, clip_to_norm, effective_lr, lr_at, pipeline_microbatches, plan_batch
 from duoka.train.profiling import StepProfiler
 from duoka.train.spec import STOPPED_MARKER, RunSpec
 from duoka.train.step_end import StepEnd, sync_debug, to_host
+from duoka.train.watchdog import Watchdog
 
 # The data thread builds up to PREFETCH_DEPTH + 1 steps ahead of the one training. New
 # balance shares therefore take effect PREFETCH_DEPTH + 2 steps after the step that decided
@@ -118,16 +121,22 @@ class Trainer:
 
         self.start_step, self.tokens_seen = spec.resume_step, 0
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, device, spec.tokenizer_files, self.console)
+        self.health = Health(cfg.reliability, cfg.debug.inject_nan_step, self.model, self.run_dir, device,
+                             self.counts_for_metrics, self.start_step)
         if spec.resume_from:
             state = self.checkpointer.load(Path(spec.resume_from), self.model, self.optimizer)
             self.start_step, self.tokens_seen = state["step"], state["tokens"]
             if "balance" in state:
                 self.balance.load_state_dict(state["balance"])
+            if "health" in state:
+                self.health.load_state_dict(state["health"])
         peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                           cfg.metrics.peak_tflops)
         self.metrics = StepMetrics(cfg, self.run_dir, self.rank, self.world, device, self.args.num_params(),
                                    self.args.flops_per_token(cfg.training.seq_len), peak, self.start_step,
                                    cfg.training.steps, self.console)
+        self.watchdog = Watchdog.start(cfg.reliability, self.run_dir, self.rank, self.world, device.type,
+                                       self.start_step, self.console)
 
     def _open_data(self):
         spec, cfg = self.spec, self.cfg
@@ -218,13 +227,14 @@ class Trainer:
         clip_to_norm(self.optimizer, self.params, norm, max_norm)
         return norm
 
-    def _optimizer_step(self, step: int) -> tuple[torch.Tensor, float]:
+    def _optimizer_step(self, step: int, loss_sum: torch.Tensor) -> tuple[torch.Tensor, float]:
         cfg = self.cfg
         grad_norm = self._clip_gradients(cfg.training.grad_clip if cfg.training.grad_clip > 0 else math.inf)
         lr = lr_at(step, cfg.training.steps, self.peak_lr, cfg.optimizer)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.step()
+        if self.health.allow_update(step, self.optimizer, grad_norm, loss_sum, self.global_tokens):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.float8_scales:
             precompute_float8_scales(self.model)
@@ -233,6 +243,7 @@ class Trainer:
     def _step(self, step: int, prefetch: Prefetcher, last_end: Mark, wait: bool) -> StepEnd:
         """Launch one optimizer step; its figures are read later, from the returned StepEnd."""
         t0 = time.perf_counter()
+        self.watchdog.begin_step(step + 1)
         host = prefetch.get(step)
         micro = [{k: t.to(self.device, non_blocking=True) for k, t in b.items()} for b in host]
         t_data = time.perf_counter() - t0
@@ -240,12 +251,15 @@ class Trainer:
         # synchronous copy, the host waiting for the previous step.
         local_tokens = sum((b["labels"] != IGNORE_INDEX).sum() for b in micro).to(torch.float64)
         global_tokens = local_tokens.clone()
+        self.watchdog.enter("all_reduce of the token count")
         dist.all_reduce(global_tokens)  # every tp and pp rank of a replica holds the same tokens
         self.global_tokens = (global_tokens / (self.dims.tp * self.dims.pp)).float()
         phases = PhaseTimer(self.device)
+        self.watchdog.enter("forward and backward")
         loss_sum = self._forward_backward(micro, phases)
+        self.watchdog.enter("optimizer step")
         with phases("optimizer"):
-            grad_norm, lr = self._optimizer_step(step)
+            grad_norm, lr = self._optimizer_step(step, loss_sum)
         self.balance.after_optimizer()
         scalars = to_host(torch.stack([loss_sum.double(), grad_norm.double(), local_tokens]))
         done = StepEnd(step + 1, last_end, Mark(self.device), phases, scalars, lr, t_data,
@@ -260,6 +274,7 @@ class Trainer:
         carries every rank's figures, and with them whether any rank was asked to stop, so
         that all stop at the same step. Returns that."""
         t = time.perf_counter()
+        self.watchdog.enter("wait for the device to finish the step", done.step)
         with sync_debug("default"):  # the one wait a deferred step end makes
             step_time = done.end.seconds_since(done.start)
         waited = time.perf_counter() - t
@@ -269,6 +284,7 @@ class Trainer:
                            data_time=done.data_time, samples=done.samples, compute_s=self.balance.compute_seconds(),
                            stop=self.stop.requested, save_done=self.checkpointer.written_here, **done.memory,
                            gpu=self.metrics.gpu_figures())
+        self.watchdog.enter("metrics gather", done.step)
         ranks = self.metrics.gather(mine)
         self.tokens_seen += int(sum(r.tokens for r in ranks))
         record = self.metrics.record(done.step, ranks, self.tokens_seen, done.lr, float(done.scalars[1]))
@@ -280,8 +296,10 @@ class Trainer:
         record["phase_s"]["other"] = max(0.0, step_time - sum(record["phase_s"].values()))
         if balance is not None:
             record["balance"] = balance
-        self.metrics.publish(record, time.perf_counter() - started)
+        self.health.end_step(record)
+        self.metrics.publish(record, time.perf_counter() - started, self.watchdog.take_alerts())
         self.checkpointer.finish_if_written_everywhere(all(r.save_done for r in ranks))
+        self.health.raise_if_failing()
         return any(r.stop for r in ranks)
 
     # ------------------------------------------------------------------ the loop
@@ -298,6 +316,7 @@ class Trainer:
             prefetch.close()
             self.checkpointer.close()
             self.metrics.close()
+            self.watchdog.close()
 
     def _loop(self, prefetch: Prefetcher, started: float) -> None:
         cfg, steps = self.cfg, self.cfg.training.steps
@@ -344,22 +363,28 @@ class Trainer:
         self.checkpointer.finish()
         final = None
         if cfg.checkpoint.export_final:
+            self.watchdog.enter("export of the final model")
             final = export_trained(self.model, self.args, self.run_dir, steps, self.spec.tokenizer_files,
                                    pipeline=self.pipeline is not None)
         self.console.done(self.run_dir, final, time.perf_counter() - started)
 
     def _save(self, step: int) -> None:
+        self.watchdog.enter("checkpoint save", step)
+        self.health.check_weights(self.params, step)
         state = {"tokens": self.tokens_seen, "model_args": self.spec.model_args, "config": self.spec.config,
-                 "dp_size": self.dp_size, "world_size": self.world, "balance": self.balance.state_dict()}
+                 "dp_size": self.dp_size, "world_size": self.world, "balance": self.balance.state_dict(),
+                 "healthy": self.health.healthy, "health": self.health.state_dict()}
         self.checkpointer.save(step, self.model, self.optimizer, state)
 
     def _stop_early(self, step: int) -> None:
-        """SIGTERM (preemption): the step is finished; save, mark the run as stopped, leave."""
+        """SIGTERM or SIGINT (preemption, Ctrl-C): the step is finished; save, mark the run as stopped, leave."""
         self._save(step)
         self.checkpointer.finish()
         if self.rank == 0:
             (self.run_dir / STOPPED_MARKER).write_text(str(step))
-        self.console.print(f"[bold yellow]stopped by SIGTERM after step {step}[/]; continue with "
+        # The stop may have been asked on another rank only (all ranks stop at the same step).
+        why = signal.Signals(self.stop.signal).name if self.stop.signal else "a signal to another rank"
+        self.console.print(f"[bold yellow]stopped by {why} after step {step}[/]; continue with "
                            f"--checkpoint.resume=auto --job.output_dir={self.run_dir}")
 
     def _banner(self) -> str:

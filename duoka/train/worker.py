@@ -1,13 +1,24 @@
 """A worker process's life: join the process group, train, and leave an error where the
-launcher finds it (one clear message instead of a traceback from every rank)."""
+launcher finds it (one clear message instead of a traceback from every rank).
+
+Under the launcher's elastic agent a worker is a child of the worker server (multiprocessing's
+fork server), not of the launcher. It lives exactly as long as the launcher (die_with_launcher),
+takes SIGTERM and SIGINT as a request to save and stop (StopRequest), and when the agent
+restarts its group after a failure it resumes from the newest intact checkpoint
+(agree_on_resume)."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import multiprocessing
 import os
+import select
 import signal
+import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -16,35 +27,88 @@ import torch.distributed as dist
 
 from duoka import runtime
 from duoka.errors import DuokaError
+from duoka.train.checkpoint import find_resume_checkpoint, read_train_state
 from duoka.train.spec import RunSpec
 from duoka.train.trainer import Trainer
+from duoka.train.watchdog import process_group_timeout
+
+# A rank that lost a peer (its collective failed because another rank died) waits this long
+# before it exits: the agent checks its workers every 0.1 s and reports the first exit it
+# finds, which is then the rank that died first, not this consequence of it.
+LOST_PEER_DELAY_S = 1.0
+# What gloo and NCCL say when a peer's process is gone (a RuntimeError, not DistError).
+_LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
+              "communicator was aborted")
+# A worker that returned waits for its agent to release it, which an agent that is itself
+# stopping (SIGTERM) never does. The return value is in the agent's pipe once handed over, so
+# the worker leaves on its own after this long.
+RELEASE_WAIT_S = 0.5
 
 
 class StopRequest:
-    """SIGTERM (a preempted job) asks the trainer to finish its step, save and stop. The
-    handler is installed for the worker's life only: a one-process run trains inside the
-    `duoka train` process itself, which must die on SIGTERM again afterwards."""
+    """SIGTERM (a scheduler's preemption, scancel, `timeout`) or SIGINT (Ctrl-C) asks the
+    trainer to finish its step, save and stop; `signal` is the first one received. Under the
+    agent a stop reaches a worker twice (sent to the process group, and forwarded by the
+    agent): repeats are ignored, and the launcher ends a stop that does not finish. A
+    one-process run trains inside `duoka train` itself: there a second signal ends it at once.
+    The handlers are installed for the worker's life only: that process must die on SIGTERM
+    again afterwards."""
 
-    def __init__(self):
-        self.requested = False
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, repeat_ends: bool = True):
+        self.signal: int | None = None
+        self.repeat_ends = repeat_ends
+
+    @property
+    def requested(self) -> bool:
+        return self.signal is not None
 
     def _on_signal(self, signum, frame) -> None:
-        self.requested = True
+        if self.signal is None:
+            self.signal = signum
+        elif self.repeat_ends:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
 
     @contextlib.contextmanager
     def installed(self):
         if threading.current_thread() is not threading.main_thread():
             yield self  # signals reach the main thread only
             return
-        previous = signal.signal(signal.SIGTERM, self._on_signal)
+        previous = {s: signal.signal(s, self._on_signal) for s in self.SIGNALS}
         try:
             yield self
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for s, handler in previous.items():
+                signal.signal(s, handler)
 
 
-def init_distributed() -> torch.device:
-    """This process's device, and the default process group (NCCL on GPUs, gloo on CPU)."""
+def die_with_launcher() -> None:
+    """End this worker as soon as its launcher ends, however it ends (kill -9, the OOM killer).
+    The worker server outlives the launcher while any worker holds its pipe, so the kernel's
+    parent-death signal cannot reach the workers through it: each worker watches the launcher
+    itself through a pidfd (the kernel's handle on that one process, so a reused pid is never
+    mistaken for it) on a thread that only waits. Should the server die first, the launcher can
+    no longer see this worker exit: the worker goes too (SIGKILL; torch's SIGINT would now ask
+    for a save)."""
+    runtime.set_parent_death_signal(signal.SIGKILL)
+    try:
+        handle = os.pidfd_open(multiprocessing.parent_process().pid)
+    except ProcessLookupError:  # already gone
+        runtime.hard_exit(1)
+    threading.Thread(target=_end_with, args=(handle,), name="duoka-launcher-watch", daemon=True).start()
+
+
+def _end_with(handle: int) -> None:
+    select.select([handle], [], [])  # readable once the process has exited
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def init_distributed(reliability) -> torch.device:
+    """This process's device, and the default process group (NCCL on GPUs, gloo on CPU). Its
+    timeout backs up the hang watchdog: a stuck rank waits no longer than the watchdog's
+    limit plus a margin, rather than gloo's 30 or NCCL's 10 minutes."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -53,22 +117,62 @@ def init_distributed() -> torch.device:
         device = torch.device("cpu")
     if not dist.is_initialized():
         kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world, **kwargs)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
+                                timeout=process_group_timeout(reliability, device.type), **kwargs)
     return device
 
 
-def worker_main(spec: RunSpec) -> None:
-    """Entry point of each worker process (started by the elastic launcher or in process)."""
+def restart_resume_point(spec: RunSpec) -> tuple[str | None, int]:
+    """Where a group restarted after a failure continues: the newest intact checkpoint of the
+    run (the last one the failed group saved), or where the job started if it saved none."""
+    newest = find_resume_checkpoint(Path(spec.run_dir), "auto")
+    if newest is None:
+        return spec.resume_from, spec.resume_step
+    step = read_train_state(newest)["step"]
+    return (str(newest), step) if step >= spec.resume_step else (spec.resume_from, spec.resume_step)
+
+
+def agree_on_resume(spec: RunSpec, device: torch.device) -> RunSpec:
+    """The agent restarts a failed group with the arguments of its first start, so the resume
+    point is found again here. A restart on one node can be a plain re-rendezvous on another
+    (its restart count unchanged), so whether this is a restart is decided from every rank's
+    count, and rank 0 chooses the checkpoint for all (an error too, so that all raise it)."""
+    count = torch.tensor([int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    if int(count.item()) == 0:
+        return spec
+    choice: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            choice[0] = restart_resume_point(spec)
+        except DuokaError as e:
+            choice[0] = e
+    dist.broadcast_object_list(choice, src=0, device=device)
+    if isinstance(choice[0], DuokaError):
+        raise choice[0]
+    resume_from, resume_step = choice[0]
+    return dataclasses.replace(spec, resume_from=resume_from, resume_step=resume_step)
+
+
+def worker_main(spec: RunSpec) -> int | None:
+    """Entry point of each worker process (started by the elastic agent or in process).
+    Returns the signal that stopped training early, None when it ran to the end."""
     rank = int(os.environ.get("RANK", 0))
-    stop = StopRequest()
+    under_agent = "TORCHELASTIC_RUN_ID" in os.environ
+    if under_agent:
+        die_with_launcher()
+        # The worker server ignores SIGTERM (a signal to the whole job must not end it) and
+        # its children inherit that; here SIGTERM ends the process again unless a stop is asked.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        with contextlib.suppress(FileNotFoundError):
+            (Path(spec.run_dir) / f"error-rank{rank}.json").unlink()  # the failed group's, before a restart
+    stop = StopRequest(repeat_ends=not under_agent)
     try:
         with stop.installed():
-            Trainer(spec, init_distributed(), stop).train()
-        if stop.requested and "TORCHELASTIC_RUN_ID" in os.environ:
-            # The agent is shutting down on SIGTERM and joins its workers without releasing
-            # them normally; the checkpoint is saved, so leave at once.
-            dist.destroy_process_group()
-            runtime.hard_exit(0)
+            device = init_distributed(spec.cfg.reliability)
+            if under_agent:  # only the agent restarts a group
+                spec = agree_on_resume(spec, device)
+            Trainer(spec, device, stop).train()
     except DuokaError as e:
         report_error(spec.run_dir, rank, e.cause, e.fix)
         raise SystemExit(2)
@@ -80,15 +184,27 @@ def worker_main(spec: RunSpec) -> None:
                      "lower training.micro_batch_size (or set it to auto), set training.activation_checkpointing="
                      "full, or shard with parallel.dp_mode=fsdp")
         raise SystemExit(2)
-    except Exception:
-        report_error(spec.run_dir, rank, f"worker {rank} crashed:\n{traceback.format_exc()}", None)
+    except Exception as e:
+        lost_peer = any(phrase in str(e) for phrase in _LOST_PEER)
+        report_error(spec.run_dir, rank, f"worker {rank} crashed:\n{traceback.format_exc()}", None, lost_peer)
+        if lost_peer:
+            time.sleep(LOST_PEER_DELAY_S)
         raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    if under_agent:
+        leave = threading.Timer(RELEASE_WAIT_S, runtime.hard_exit, args=(0,))
+        leave.daemon = True
+        leave.start()
+    return stop.signal
 
 
-def report_error(run_dir: str, rank: int, cause: str, fix: str | None) -> None:
+def report_error(run_dir: str, rank: int, cause: str, fix: str | None, lost_peer: bool = False) -> None:
+    """The error file the launcher reads; `lost_peer`: a consequence of another rank's death."""
     path = Path(run_dir) / f"error-rank{rank}.json"
-    with contextlib.suppress(OSError):
-        path.write_text(json.dumps({"rank": rank, "cause": cause, "fix": fix}))
+    try:
+        path.write_text(json.dumps({"rank": rank, "cause": cause, "fix": fix, "lost_peer": lost_peer}))
+    except OSError:  # a full disk, say: the message must still reach the user
+        if not lost_peer:
+            print(f"error: rank {rank}: {cause}" + (f"\n  fix: {fix}" if fix else ""), file=sys.stderr, flush=True)

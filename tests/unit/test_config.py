@@ -49,10 +49,39 @@ def test_bad_file(tmp_path):
     assert "optimizer.lr" in e.value.fix
     with pytest.raises(DuokaError, match="not valid TOML"):
         load_config(write(tmp_path, "[training\nsteps = 1"))
-    with pytest.raises(DuokaError, match="is not a string"):
+    with pytest.raises(DuokaError, match="model.flavor = 7 is an integer, not a string"):
         load_config(write(tmp_path, "[model]\nflavor = 7\n"))
     with pytest.raises(DuokaError, match="does not exist"):
         load_config(tmp_path / "missing.toml")
+
+
+@pytest.mark.parametrize("toml, cause, fix", [
+    ('[training]\nsteps = "5"', 'training.steps = "5" is a string, not an integer',
+     "write steps = 5 under [training] (without quotes"),
+    ("[training]\nsteps = 5.0", "training.steps = 5.0 is a float, not an integer", "write steps = 5 under"),
+    ("[training]\nsteps = true", "training.steps = true is a boolean, not an integer", "write steps = 5 under"),
+    ('[training]\ncompile = "false"', 'training.compile = "false" is a string, not a boolean', "compile = false"),
+    ('[training]\nmicro_batch_size = "4"', 'is a string, not an integer or "auto"', "micro_batch_size = 4"),
+    ('[optimizer]\nlr = "3e-4"', 'optimizer.lr = "3e-4" is a string, not a number', "lr = 0.0003"),
+    ("[optimizer]\nlr = nan", "optimizer.lr=nan is not a finite number", "3e-4"),
+])
+def test_toml_values_carry_their_type(tmp_path, toml, cause, fix):
+    """A TOML value of the wrong type is refused, naming key, file and the type expected;
+    the same text as a flag converts (flags have no type)."""
+    path = write(tmp_path, toml + "\n")
+    with pytest.raises(DuokaError) as e:
+        load_config(path)
+    assert cause in e.value.cause and str(path) in e.value.cause and fix in e.value.fix
+
+
+def test_flags_convert_and_typed_toml_loads(tmp_path):
+    cfg = load_config(write(tmp_path, '[training]\nsteps = 5\nmicro_batch_size = "auto"\n[optimizer]\nlr = 1\n'),
+                      ["--training.seq_len=64", "--training.compile=true", "--optimizer.eps=1e-6"])
+    assert (cfg.training.steps, cfg.training.micro_batch_size, cfg.optimizer.lr) == (5, "auto", 1.0)
+    assert (cfg.training.seq_len, cfg.training.compile, cfg.optimizer.eps) == (64, True, 1e-6)
+    for flag in ("--optimizer.lr=nan", "--optimizer.lr=inf"):
+        with pytest.raises(DuokaError, match="is not a finite number"):
+            load_config(None, [flag])
 
 
 def test_auto_or_int():

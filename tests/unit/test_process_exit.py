@@ -37,7 +37,7 @@ def test_worker_main_gives_sigterm_back(monkeypatch, tmp_path):
             pass
 
     monkeypatch.setattr(worker_module, "Trainer", QuickTrainer)
-    monkeypatch.setattr(worker_module, "init_distributed", lambda: torch.device("cpu"))
+    monkeypatch.setattr(worker_module, "init_distributed", lambda *_: torch.device("cpu"))
     before = signal.getsignal(signal.SIGTERM)
     spec = RunSpec(config={}, run_dir=str(tmp_path), model_args={}, world_size=1, model_dir=None, token_file=None,
                    tokenizer_files=(), end_of_text=None, resume_from=None, resume_step=0, micro_batch=1,
