@@ -112,18 +112,19 @@ def alive(pid: int) -> bool:
 
 
 def workers_of(proc: subprocess.Popen) -> list[int]:
-    """The launcher's training processes: its descendants but the worker server they are
-    forked from."""
-    children, found, todo = _children(), [], [proc.pid]
-    while todo:
-        for pid in children.get(todo.pop(), []):
-            todo.append(pid)
-            try:
-                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"forkserver" not in cmdline:
-                found.append(pid)
+    """The launcher's training processes: the children of its worker server (forked, they
+    share the server's command line), or its own children that are not that server."""
+    children = _children()
+    found = []
+    for pid in children.get(proc.pid, []):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"forkserver" in cmdline:
+            found += children.get(pid, [])
+        elif b"resource_tracker" not in cmdline:
+            found.append(pid)
     return found
 
 
@@ -206,7 +207,8 @@ def trial(kind: str, rng: random.Random, reference: Path, work: Path) -> Trial:
         at_fault["step"] = last_step(run)
         for p in victims:
             signal_pid(p, signal.SIGKILL)
-        note = f"hang exit {code}: {err.strip().splitlines()[-1][:80] if err.strip() else ''}; "
+        named = [line for line in err.splitlines() if line.startswith("error:")]
+        note = f"hang exit {code}: {named[0][:100] if named else 'no error line'}; "
         by_itself = False
         code, err = finish(duoka(run, "--checkpoint.resume=auto"))
     elif kind == "damaged_ckpt":
@@ -226,8 +228,7 @@ def trial(kind: str, rng: random.Random, reference: Path, work: Path) -> Trial:
             note = f"flipped bytes in {complete[-1].name}/{shard.name}; "
         by_itself = False
         code, err = finish(duoka(run, "--checkpoint.resume=auto"))
-        if "falling back" not in err.lower() and "fall" not in err.lower():
-            note += "no fallback warning; "
+        note += "damage named on resume; " if "is damaged, skipped" in err else "no warning naming the damage; "
     elif kind == "disk_full":
         mount = work / f"small-{rng.randrange(10**6)}"
         mount.mkdir()
