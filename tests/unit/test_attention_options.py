@@ -127,11 +127,12 @@ def test_checkpointed_blocks_are_compiled_inside_their_wrapper():
         assert inner._body != inner._block  # the block's own body is the compiled region
 
 
-def test_a_compiled_block_body_computes_the_eager_model(monkeypatch):
+# torch.compile's own config patching: monkeypatch's undo left the config module without the key.
+@torch._dynamo.config.patch(error_on_recompile=True)
+def test_a_compiled_block_body_computes_the_eager_model():
     """ModelOptions(compile="block"): built on meta, materialised and initialised, the model
     keeps its parameter names and gives the eager loss and gradients; one graph serves
     every block (a recompile per block would hit dynamo's limit on deep models)."""
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     tokens = torch.randint(0, ARGS.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
     eager = tiny_model(torch.float32)
     compiled = tiny_model(torch.float32, ModelOptions(compile="block"))

@@ -93,12 +93,13 @@ def test_under_bf16_autocast_with_fp32_master_weights():
     assert (hidden.grad - gh).norm() <= 2e-2 * gh.norm() and (weight.grad - gw).norm() <= 2e-2 * gw.norm()
 
 
-def test_compiled_loss_for_varying_micro_batches_compiles_once(monkeypatch):
+# torch.compile's own config patching: monkeypatch's undo left the config module without the key.
+@torch._dynamo.config.patch(error_on_recompile=True)
+def test_compiled_loss_for_varying_micro_batches_compiles_once():
     """Balanced shares change the micro-batch size; the compiled loss then serves every size
     from one graph (a recompile per size was a 3.9 s step on GPU) and equals the plain loss."""
     from duoka.models.loss import compiled_cross_entropy_sum, cross_entropy_sum
 
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     g = torch.Generator().manual_seed(3)
     for batch in (3, 2, 5):
         logits = torch.randn(batch, 7, 50, generator=g)
