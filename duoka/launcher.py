@@ -36,7 +36,7 @@ from duoka import runtime
 from duoka.config import Config, load_config, to_toml
 from duoka.errors import DuokaError
 from duoka.parallel.ports import free_port, parse_endpoint, port_is_free
-from duoka.train.spec import RESTARTS_LOG, STOPPED_MARKER, RunSpec
+from duoka.train.spec import RESTARTS_LOG, STOPPED_MARKER, TOKENIZER_FILES, RunSpec
 
 # Exit codes of `duoka train` (docs/training.md lists them). A stop by signal N exits 128 + N,
 # as a process killed by N would, so that schedulers and `&&` chains see an unfinished job.
@@ -317,9 +317,7 @@ class WorkerFailed(DuokaError):
 
 
 def _tokenizer_files(folder: Path) -> list[str]:
-    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-             "generation_config.json")
-    return [str(folder / n) for n in names if (folder / n).is_file()]
+    return [str(folder / n) for n in TOKENIZER_FILES if (folder / n).is_file()]
 
 
 def _run_workers(spec, nproc_per_node: int, nnodes: int, node_rank: int, rdzv_endpoint: str | None,
@@ -467,7 +465,7 @@ def explain_failure(failures: dict, run_dir: str) -> WorkerFailed:
 
 
 def _error_reports(run_dir: str) -> dict[int, dict]:
-    """rank -> the error that worker wrote (worker.report_error's format)."""
+    """rank -> the error that worker wrote (spec.write_error_report's format)."""
     reports = {}
     for path in Path(run_dir).glob("error-rank*.json"):
         with contextlib.suppress(OSError, ValueError):

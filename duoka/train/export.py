@@ -27,9 +27,7 @@ from duoka.train.integrity import (
     is_disk_full,
     read_state,
 )
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json")
+from duoka.train.spec import TOKENIZER_FILES
 
 
 def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_shard_size: str = "5GB",

@@ -64,12 +64,12 @@ class RankFigures:
 
     @classmethod
     def unpack(cls, row: torch.Tensor) -> RankFigures:
-        names = cls._scalars()
-        values = row.tolist()
-        out = cls(**{k: (v > 0 if isinstance(getattr(cls, k, None), bool) else v) for k, v in zip(names, values)})
-        gpu = {k: v for k, v in zip(GPU_FIELDS, values[len(names):]) if not math.isnan(v)}
-        out.gpu = {k: int(v) if k in _INTEGER_GPU_FIELDS else v for k, v in gpu.items()}
-        return out
+        names, values = cls._scalars(), row.tolist()
+        flags = {f.name for f in fields(cls) if f.type == "bool"}  # annotations are strings here
+        scalars = {k: v > 0 if k in flags else v for k, v in zip(names, values)}
+        gpu = {k: int(v) if k in _INTEGER_GPU_FIELDS else v
+               for k, v in zip(GPU_FIELDS, values[len(names):]) if not math.isnan(v)}
+        return cls(**scalars, gpu=gpu)
 
 
 def gpu_reading(rank: int, figures: RankFigures) -> dict:

@@ -9,7 +9,11 @@ follows from it). Workers never write into the config.
 
 from __future__ import annotations
 
+import json
+import sys
 from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
 
 from duoka.config import Config
 
@@ -30,7 +34,7 @@ class RunSpec:
     fsdp_blocks_per_unit: int | None  # None: sized by the worker with an auto micro-batch
     stage_layers: tuple[int, ...] | None  # decoder layers per pipeline stage; None: measured, or no pipeline
 
-    @property
+    @cached_property
     def cfg(self) -> Config:
         return Config.from_dict(self.config)
 
@@ -40,3 +44,21 @@ class RunSpec:
 STOPPED_MARKER = "STOPPED"
 # One line per automatic restart (--max-restarts), appended by node 0's launcher.
 RESTARTS_LOG = "restarts.jsonl"
+
+# The tokenizer's files, copied into every checkpoint and exported model.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+
+
+def error_report_path(run_dir: str | Path, rank: int) -> Path:
+    return Path(run_dir) / f"error-rank{rank}.json"
+
+
+def write_error_report(run_dir: str | Path, rank: int, cause: str, fix: str | None, **extra) -> None:
+    """The error a worker leaves for the launcher, which turns the reports into one message.
+    If the file cannot be written (a full disk), the message still reaches the user on stderr."""
+    try:
+        error_report_path(run_dir, rank).write_text(json.dumps({"rank": rank, "cause": cause, "fix": fix, **extra}))
+    except OSError:
+        if not extra.get("lost_peer"):
+            print(f"error: rank {rank}: {cause}" + (f"\n  fix: {fix}" if fix else ""), file=sys.stderr, flush=True)

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from duoka import runtime
 from duoka.config import ReliabilityConfig
 from duoka.monitor.alerts import Alert
+from duoka.train.spec import write_error_report
 
 # sysexits.h EX_TEMPFAIL: a hang is often transient (a node, a link, a file system), so a
 # scheduler may requeue; distinct from 1 (a crash), 2 (a user error) and 143 (SIGTERM).
@@ -411,9 +412,5 @@ def _whereabouts(ranks: list[int], peers: list[Peer], why: dict[int, str] | None
 
 
 def write_error(run_dir: Path, rank: int, cause: str, fix: str) -> None:
-    """The error file the launcher reads (worker.report_error's format), marked as a hang."""
-    try:
-        (Path(run_dir) / f"error-rank{rank}.json").write_text(
-            json.dumps({"rank": rank, "cause": cause, "fix": fix, "kind": "hang", "exit_code": HANG_EXIT_CODE}))
-    except OSError:
-        pass
+    """The error file the launcher reads, marked as a hang."""
+    write_error_report(run_dir, rank, cause, fix, kind="hang", exit_code=HANG_EXIT_CODE)

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import multiprocessing
 import os
 import select
 import signal
-import sys
 import threading
 import time
 import traceback
@@ -28,7 +26,7 @@ import torch.distributed as dist
 from duoka import runtime
 from duoka.errors import DuokaError
 from duoka.train.checkpoint import find_resume_checkpoint, read_train_state
-from duoka.train.spec import RunSpec
+from duoka.train.spec import RunSpec, error_report_path, write_error_report
 from duoka.train.trainer import Trainer
 from duoka.train.watchdog import process_group_timeout
 
@@ -165,7 +163,7 @@ def worker_main(spec: RunSpec) -> int | None:
         # its children inherit that; here SIGTERM ends the process again unless a stop is asked.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         with contextlib.suppress(FileNotFoundError):
-            (Path(spec.run_dir) / f"error-rank{rank}.json").unlink()  # the failed group's, before a restart
+            error_report_path(spec.run_dir, rank).unlink()  # the failed group's, before a restart
     stop = StopRequest(repeat_ends=not under_agent)
     try:
         with stop.installed():
@@ -202,9 +200,4 @@ def worker_main(spec: RunSpec) -> int | None:
 
 def report_error(run_dir: str, rank: int, cause: str, fix: str | None, lost_peer: bool = False) -> None:
     """The error file the launcher reads; `lost_peer`: a consequence of another rank's death."""
-    path = Path(run_dir) / f"error-rank{rank}.json"
-    try:
-        path.write_text(json.dumps({"rank": rank, "cause": cause, "fix": fix, "lost_peer": lost_peer}))
-    except OSError:  # a full disk, say: the message must still reach the user
-        if not lost_peer:
-            print(f"error: rank {rank}: {cause}" + (f"\n  fix: {fix}" if fix else ""), file=sys.stderr, flush=True)
+    write_error_report(run_dir, rank, cause, fix, lost_peer=lost_peer)
