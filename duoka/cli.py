@@ -28,8 +28,9 @@ def log(message: str) -> None:
 
 def add_generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text from a Hugging Face Qwen2 folder (streams to stdout)",
-                       description="Generate a continuation of PROMPT. Only the generated text goes to stdout; "
-                                   "load and speed figures go to stderr.")
+                       description="Generate a continuation of PROMPT on the serving engine (the one under `duoka "
+                                   "serve`). Only the generated text goes to stdout; load and speed figures go to "
+                                   "stderr.")
     p.add_argument("--model", default=None,
                    help="model folder or hub id (default: the tiny model bundled with duoka)")
     p.add_argument("--prompt", default=None, help="prompt text (default: read stdin when it is not a terminal)")
@@ -37,31 +38,22 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--system", default=None, help="system message for --chat")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling (temperature > 0)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto = bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--compile", action="store_true", help="compile the decode step with CUDA graphs (GPU)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs for the decode steps (GPU; slower, starts faster)")
     p.set_defaults(func=run_generate)
 
 
 def run_generate(a: argparse.Namespace) -> int:
-    import torch
+    from duoka.serve.engine import LLMEngine
+    from duoka.serve.params import SamplingParams
 
-    from duoka.data.tokenizer import load_tokenizer
-    from duoka.models.qwen2.hf_adapter import load_hf_model
-    from duoka.parallel.devices import compute_dtype_name
-    from duoka.serve.generate import Generator, SamplingParams, TextStream
-
-    params = SamplingParams(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
+    params = SamplingParams(max_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                             top_p=a.top_p, seed=a.seed)
-    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise DuokaError("--device cuda was asked for but PyTorch sees no GPU",
-                         "run `nvidia-smi` to check the driver, or use --device cpu")
-    dtype = getattr(torch, compute_dtype_name(a.dtype, device.type))
-
     prompt = a.prompt
     if prompt is None and sys.stdin is not None and not sys.stdin.isatty():
         prompt = sys.stdin.read() or None
@@ -69,37 +61,24 @@ def run_generate(a: argparse.Namespace) -> int:
         if a.model is not None:
             raise DuokaError("no prompt given", 'pass --prompt "..." or pipe text on stdin')
         prompt = DEFAULT_PROMPT
-    model_ref = a.model or bundled_model_dir()
 
-    t0 = time.perf_counter()
-    tokenizer = load_tokenizer(model_ref)
-    model, folder = load_hf_model(model_ref, device=device, dtype=dtype)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    load_s = time.perf_counter() - t0
-    log(f"duoka: loaded {folder} ({model.args.n_layers} layers, {str(dtype).removeprefix('torch.')}, {device}) "
-        f"in {load_s:.2f} s")
-
+    engine = LLMEngine(a.model, device=a.device, dtype=a.dtype, max_num_seqs=1, cuda_graphs=not a.enforce_eager,
+                       log=log)
     if a.chat:
         messages = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": prompt}]
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     else:
-        ids = tokenizer.encode(prompt)
-    prompt_ids = torch.tensor(ids, dtype=torch.long)
-
-    stops = tokenizer.stop_ids() or ({model.args.eos_token_id} if isinstance(model.args.eos_token_id, int) else set())
-    text = TextStream(tokenizer)
+        ids = engine.tokenizer.encode(prompt)
+    engine.add_request("generate", ids, params)
     out = sys.stdout
     stamps: list[float] = []  # when each token reached the host
     t1 = time.perf_counter()
-    for token in Generator(model, compile=a.compile).stream(prompt_ids, params, stops):
-        token_id = int(token[0])
-        stamps.append(time.perf_counter() - t1)
-        if token_id in stops:
-            break
-        out.write(text.push(token_id))
-        out.flush()
-    out.write(text.flush() + "\n")
+    while engine.has_unfinished():
+        for delta in engine.step():
+            stamps.extend([time.perf_counter() - t1] * len(delta.new_token_ids))
+            out.write(delta.new_text)
+            out.flush()
+    out.write("\n")
     out.flush()
     log(f"duoka: prompt {len(ids)} tokens, generated {len(stamps)} tokens in {stamps[-1]:.2f} s "
         f"(first token {stamps[0] * 1000:.0f} ms{_steady_rate(stamps)})")

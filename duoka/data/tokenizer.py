@@ -105,6 +105,11 @@ class Tokenizer:
     def pad_id(self) -> int | None:
         return self._special_id("pad_token")
 
+    @property
+    def generation_config(self) -> dict[str, Any]:
+        """The model folder's generation_config.json (sampling defaults, stop ids), or {}."""
+        return dict(self._generation_config)
+
     def stop_ids(self) -> set[int]:
         """Ids that end a generation: the tokenizer's eos plus generation_config.json's."""
         ids = set()

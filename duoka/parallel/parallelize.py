@@ -73,7 +73,7 @@ def apply_tensor_parallel(model: Qwen2, tp_mesh: DeviceMesh) -> None:
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
-            # x is the attention's only positional input; rope, mask and input_pos are
+            # x is the attention's only positional input; rope and mask are
             # keyword arguments, which PrepareModuleInput passes through untouched.
             "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
             "attention.wq": ColwiseParallel(),

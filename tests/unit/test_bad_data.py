@@ -15,7 +15,7 @@ from duoka.data.prepare import prepare
 from duoka.data.sft import prepare_sft
 from duoka.data.tokenizer import Tokenizer
 from duoka.errors import DuokaError
-from duoka.serve.generate import SamplingParams
+from duoka.serve.params import SamplingParams
 
 BAD = b"caf\xe9"  # Latin-1, not UTF-8
 

@@ -15,7 +15,6 @@ RMSNorm, grouped-query attention with biases on q/k/v, rotary position embedding
 from __future__ import annotations
 
 import contextlib
-import inspect
 import zlib
 from dataclasses import dataclass
 
@@ -29,6 +28,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 from duoka.models.compile import compiled
 from duoka.models.loss import chunked_cross_entropy
 from duoka.models.qwen2.args import DOCUMENT_MASKING, ModelArgs, ModelOptions
+from duoka.models.qwen2.paged import PagedBatch, causal_varlen, paged_attention
 
 
 def write_full_(param: torch.Tensor, full: torch.Tensor) -> None:
@@ -82,32 +82,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
-
-
-class KVCache(nn.Module):
-    """One attention layer's static key/value cache (gpt-fast style).
-
-    Buffers are allocated once at [batch, kv_heads, max_len, head_dim] and written in
-    place at the decoded positions; attention always reads the full buffer under a
-    position mask. Shapes therefore never change from step to step, which keeps a compiled
-    or CUDA-graph-captured decode step valid for the whole generation. The buffers are not
-    persistent: a cache never enters a state_dict."""
-
-    def __init__(self, batch: int, max_len: int, n_kv_heads: int, head_dim: int, device, dtype):
-        super().__init__()
-        shape = (batch, n_kv_heads, max_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-
-    def update(self, input_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        self.k.index_copy_(2, input_pos, k)
-        self.v.index_copy_(2, input_pos, v)
-        return self.k, self.v
-
-
-def cache_mask(input_pos: torch.Tensor, max_len: int) -> torch.Tensor:
-    """[query, key] boolean over a cache of max_len: a query at position p sees keys at positions <= p."""
-    return torch.arange(max_len, device=input_pos.device)[None, :] <= input_pos[:, None]
 
 
 # ---------------------------------------------------------------- document masking
@@ -166,10 +140,6 @@ def _flex(q: torch.Tensor):
 
 def _varlen_attention(q, k, v, mask: Varlen) -> torch.Tensor:
     """q, k, v: [batch, heads, seq, head_dim] -> [batch, seq, heads, head_dim]."""
-    # Imported on first use: the module imports torch._dynamo, a second of start-up for
-    # every process that never runs varlen (generation, CPU training).
-    from torch.nn.attention.varlen import varlen_attn
-
     bsz, n_heads, seq, head_dim = q.shape
     if torch.is_autocast_enabled(q.device.type):
         # What autocast does for SDPA: attention runs in the autocast dtype. Under DDP's
@@ -178,14 +148,7 @@ def _varlen_attention(q, k, v, mask: Varlen) -> torch.Tensor:
         dtype = torch.get_autocast_dtype(q.device.type)
         q, k, v = (t.to(dtype) for t in (q, k, v))
     q, k, v = (t.transpose(1, 2).reshape(bsz * seq, t.shape[1], head_dim) for t in (q, k, v))
-    params = inspect.signature(varlen_attn).parameters
-    kwargs = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
-    if k.shape[1] != n_heads:
-        if "enable_gqa" in params:
-            kwargs["enable_gqa"] = True
-        else:
-            k, v = (t.repeat_interleave(n_heads // t.shape[1], dim=1) for t in (k, v))
-    out = varlen_attn(q, k, v, mask.cu_seqlens, mask.cu_seqlens, mask.max_len, mask.max_len, **kwargs)
+    out = causal_varlen(q, k, v, mask.cu_seqlens, mask.cu_seqlens, mask.max_len, mask.max_len)
     return out.view(bsz, seq, n_heads, head_dim)
 
 
@@ -226,8 +189,9 @@ class Attention(nn.Module):
     """Grouped-query attention. Only x is positional in forward: the tensor-parallel plan
     lays out the first positional input and passes keyword arguments through untouched."""
 
-    def __init__(self, args: ModelArgs, options: ModelOptions = ModelOptions()):
+    def __init__(self, args: ModelArgs, options: ModelOptions = ModelOptions(), layer_id: int = 0):
         super().__init__()
+        self.layer_id = layer_id  # which of a paged batch's per-layer caches is this layer's
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.resolved_head_dim
@@ -240,16 +204,14 @@ class Attention(nn.Module):
         # sdpa_kernel() inside the forward: torch.compile bakes a context manager's backend
         # into the graph and its cache key, but not the process-wide switches.
         self.sdpa_backend = SDPA_BACKENDS[options.sdpa_backend] if options.sdpa_backend else None
-        self.kv_cache: KVCache | None = None  # set by Qwen2.setup_kv_cache for generation
         self._body = compiled_body(self._attend, options.compile == "parts")
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask=None,
-                input_pos: torch.Tensor | None = None) -> torch.Tensor:
-        """x [batch, seq, dim]; rope: (cos, sin); mask: None (causal), a document mask or a
-        cache mask; input_pos: the cache positions of x's tokens when a cache is set up."""
-        return self._body(x, rope, mask, input_pos)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask=None) -> torch.Tensor:
+        """x [batch, seq, dim]; rope: (cos, sin); mask: None (causal), a document mask, or a
+        serving step's PagedBatch (x is then the step's tokens as one row)."""
+        return self._body(x, rope, mask)
 
-    def _attend(self, x, rope, mask, input_pos):
+    def _attend(self, x, rope, mask):
         bsz, seqlen, _ = x.shape
         cos, sin = rope
         # -1 instead of the head count keeps this module correct when tensor parallelism
@@ -266,8 +228,8 @@ class Attention(nn.Module):
         v = v.view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = q.shape[1] != k.shape[1]
-        if self.kv_cache is not None:
-            k, v = self.kv_cache.update(input_pos, k, v)
+        if isinstance(mask, PagedBatch):
+            return self.wo(paged_attention(q, k, v, mask, self.layer_id))
         if mask is None:  # plain causal attention: the fused kernels' fast path
             with sdpa_kernel(self.sdpa_backend) if self.sdpa_backend is not None else contextlib.nullcontext():
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -275,7 +237,7 @@ class Attention(nn.Module):
             out = _flex(q)(q, k, v, block_mask=mask, enable_gqa=gqa)
         elif isinstance(mask, Varlen):
             return self.wo(_varlen_attention(q, k, v, mask).reshape(bsz, seqlen, -1))
-        else:  # a cache's position mask, or SDPA's dense document mask
+        else:  # SDPA's dense document mask
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
@@ -300,20 +262,19 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, options: ModelOptions = ModelOptions()):
+    def __init__(self, args: ModelArgs, options: ModelOptions = ModelOptions(), layer_id: int = 0):
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args, options)
+        self.attention = Attention(args, options, layer_id)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.intermediate_size, options)
         self._body = compiled_body(self._block, options.compile == "block")
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask=None,
-                input_pos: torch.Tensor | None = None) -> torch.Tensor:
-        return self._body(x, rope, mask, input_pos)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask=None) -> torch.Tensor:
+        return self._body(x, rope, mask)
 
-    def _block(self, x, rope, mask, input_pos):
-        x = x + self.attention(self.attention_norm(x), rope=rope, mask=mask, input_pos=input_pos)
+    def _block(self, x, rope, mask):
+        x = x + self.attention(self.attention_norm(x), rope=rope, mask=mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -339,10 +300,9 @@ class Qwen2(nn.Module):
         last = stage is None or stage.last
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) \
             if first or (last and args.tie_word_embeddings) else None
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, options) for i in range(start, stop)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, options, i) for i in range(start, stop)})
         self.norm = RMSNorm(args.dim, args.norm_eps) if last else None
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if last else None
-        self.kv_cache_len = 0  # the caches' length while setup_kv_cache's caches are in place
         self.tie_weights()
 
     @property
@@ -390,51 +350,35 @@ class Qwen2(nn.Module):
         document_ids: torch.Tensor | None = None,
         cu_seqlens: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        paged: PagedBatch | None = None,
     ) -> torch.Tensor:
         """tokens: [batch, seq] -> logits [batch, seq, vocab] in the compute dtype, or with
         labels [batch, seq] the summed fp32 cross-entropy, computed chunk by chunk with the
         output head so the logits are never materialised (duoka.models.loss).
 
-        positions: [seq] or [batch, seq]; defaults to 0..seq-1. With caches set up
-        (setup_kv_cache), positions are where the tokens go in the caches (a [seq] tensor),
-        and every query attends to all cached keys at or before its own position.
+        positions: [seq] or [batch, seq]; defaults to 0..seq-1.
         document_ids: [batch, seq] for packed sequences: a token attends only to earlier
         tokens of its own document (give positions restarting per document too, see
         duoka.data.dataset.document_layout). cu_seqlens: document_starts(document_ids)
-        precomputed, for the varlen backend."""
+        precomputed, for the varlen backend. paged: a serving step (duoka.models.qwen2.paged):
+        tokens [1, T] with their context positions [T]; returns the logits [S, vocab] of the
+        rows paged.logits_indices only, so a long prefill never materialises T x vocab."""
         h = self.tok_embeddings(tokens) if self.takes_tokens else tokens
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=h.device)
         rope = rope_cos_sin(positions, self.args.resolved_head_dim, self.args.rope_theta, h.dtype)
-        mask, input_pos = None, None
-        if self.kv_cache_len:
-            mask, input_pos = cache_mask(positions, self.kv_cache_len), positions
-        elif document_ids is not None:
+        mask = paged
+        if document_ids is not None:
             mask = document_mask(document_ids, self.options.document_masking, cu_seqlens)
         for layer in self.layers.values():
-            h = layer(h, rope, mask=mask, input_pos=input_pos)
+            h = layer(h, rope, mask=mask)
+        if paged is not None and self.norm is not None:
+            h = h[0, paged.logits_indices]
         if self.norm is not None:
             h = self.norm(h)
         if labels is not None:
             return chunked_cross_entropy(h, self.output.weight, labels, compiled=self.options.compile_loss)
         return self.output(h) if self.output is not None else h
-
-    def setup_kv_cache(self, batch: int, max_len: int, device=None, dtype=None) -> None:
-        """Give every attention layer a static KV cache of max_len positions (device and
-        dtype default to the parameters'); forward then decodes into them."""
-        p = next(self.parameters())
-        for module in self.modules():
-            if isinstance(module, Attention):
-                module.kv_cache = KVCache(batch, max_len, self.args.n_kv_heads, self.args.resolved_head_dim,
-                                          device or p.device, dtype or p.dtype)
-        self.kv_cache_len = max_len
-
-    def clear_kv_cache(self) -> None:
-        """Drop the caches: forward is the plain (training and scoring) forward again."""
-        for module in self.modules():
-            if isinstance(module, Attention):
-                module.kv_cache = None
-        self.kv_cache_len = 0
 
 
 def build_model(args: ModelArgs, options: ModelOptions = ModelOptions(), device: str | torch.device = "meta",

@@ -1,0 +1,155 @@
+"""Attention over a paged KV cache: the serving engine's one model step.
+
+The engine keeps every layer's keys and values in fixed-size blocks, [num_blocks,
+block_size, kv_heads, head_dim], and gives each sequence a block table (its blocks in
+order). One step runs the new tokens of all scheduled sequences as a single row of T
+tokens: prefill chunks and one-token decodes side by side. Each new token's K/V is
+written to its slot (block * block_size + offset), then each sequence's queries attend to
+its whole context through its block table.
+
+Two ways to run it, chosen by the runner for its device (PagedBatch.backend):
+  reference: each sequence's blocks gathered into a padded dense tensor, SDPA under an
+      explicit mask. Any device, any dtype; what the fast path is checked against.
+  cuda: the step's decodes (laid out first) through a Triton kernel that reads the blocks
+      in place (duoka.models.paged_decode); its prefill chunks through flash attention
+      (varlen) over their gathered contexts, whose cost is small beside the chunk's matmuls.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from duoka.models.paged_decode import decode_attention
+
+
+@dataclass
+class PagedBatch:
+    """One engine step's metadata, on the model's device. Sequence b's new tokens are rows
+    query_start[b]:query_start[b+1] of the T tokens; they are the last tokens of its
+    context of context_lens[b] tokens, whose K/V live in the blocks block_tables[b]."""
+    k_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, kv_heads, head_dim]
+    v_caches: list[torch.Tensor]
+    slot_mapping: torch.Tensor  # int64 [T]
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    context_lens: torch.Tensor  # int32 [B]
+    query_start: torch.Tensor  # int32 [B + 1]
+    max_query_len: int
+    logits_indices: torch.Tensor  # int64 [S]: the rows whose next-token logits are wanted
+    backend: str = "reference"  # or "cuda" (see the module's docstring)
+    # For the cuda backend: the first num_decodes sequences are one-token decodes, their
+    # contexts cut into decode_splits parts; the rest are prefill chunks whose contexts
+    # hold prefill_context tokens in all, the longest max_context_len.
+    num_decodes: int = 0
+    decode_splits: int = 1
+    prefill_context: int = 0
+    max_context_len: int = 0
+
+    @property
+    def block_size(self) -> int:
+        return self.k_caches[0].shape[1]
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, kv_heads, head_dim] into their slots of the layer's cache."""
+    kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        batch: PagedBatch) -> torch.Tensor:
+    """q: [T, heads, head_dim] -> [T, heads, head_dim], causal within each sequence's context.
+
+    Every sequence's queries are padded to max_query_len and its keys to the block table's
+    width; padded key slots are masked out, padded query rows see key 0 only (so no row is
+    all -inf) and are dropped."""
+    n_tokens, n_heads, head_dim = q.shape
+    n_seqs, max_blocks = batch.block_tables.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    q_lens = batch.query_start[1:] - batch.query_start[:-1]
+    seq_of = torch.repeat_interleave(torch.arange(n_seqs, device=q.device), q_lens, output_size=n_tokens)
+    row_in_seq = torch.arange(n_tokens, device=q.device) - batch.query_start[seq_of]
+    max_q = batch.max_query_len
+
+    q_pad = q.new_zeros(n_seqs, max_q, n_heads, head_dim)
+    q_pad[seq_of, row_in_seq] = q
+    width = max_blocks * block_size
+    keys = k_cache[batch.block_tables.long()].reshape(n_seqs, width, kv_heads, head_dim)
+    values = v_cache[batch.block_tables.long()].reshape(n_seqs, width, kv_heads, head_dim)
+
+    # Query i of sequence b sits at context position context_len - q_len + i.
+    query_pos = (batch.context_lens - q_lens)[:, None] + torch.arange(max_q, device=q.device)[None, :]
+    key_pos = torch.arange(width, device=q.device)
+    mask = key_pos[None, None, :] <= query_pos[:, :, None]
+    mask |= key_pos[None, None, :] == 0  # padded rows (query_pos beyond the context) stay finite
+    mask &= key_pos[None, None, :] < batch.context_lens[:, None, None]
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+        attn_mask=mask[:, None], enable_gqa=n_heads != kv_heads,
+    )
+    return out.transpose(1, 2)[seq_of, row_in_seq]
+
+
+@functools.cache
+def _varlen():
+    # Imported on first use: the module imports torch._dynamo, a second of start-up for
+    # every process that never runs varlen (CPU training and serving).
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn, inspect.signature(varlen_attn).parameters
+
+
+def causal_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                  max_q: int, max_k: int) -> torch.Tensor:
+    """Flash attention over concatenated sequences, q [Tq, heads, d], k/v [Tk, kv_heads, d];
+    causal with the queries aligned to the end of their keys (a chunk after its context).
+    PyTorch's varlen API changed between releases: causal was `is_causal`, now a window."""
+    varlen_attn, params = _varlen()
+    kwargs = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    if k.shape[1] != q.shape[1] and "enable_gqa" in params:
+        kwargs["enable_gqa"] = True
+    return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
+
+
+def gathered_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+    """The prefill chunks (the sequences after the decodes): each one's whole context
+    gathered from its blocks on the device, then causal flash attention."""
+    first = batch.num_decodes
+    tables, context = batch.block_tables[first:], batch.context_lens[first:]
+    cu_q = batch.query_start[first:] - batch.query_start[first]
+    cu_k = F.pad(context.cumsum(0, dtype=torch.int32), (1, 0))
+    total = batch.prefill_context
+    seq = torch.repeat_interleave(torch.arange(len(context), device=q.device), context.long(), output_size=total)
+    pos = torch.arange(total, device=q.device) - cu_k[seq]
+    block_size, kv_heads, head_dim = k_cache.shape[1:]
+    slots = tables[seq, pos // block_size].long() * block_size + pos % block_size
+    keys = k_cache.view(-1, kv_heads, head_dim)[slots]
+    values = v_cache.view(-1, kv_heads, head_dim)[slots]
+    return causal_varlen(q, keys, values, cu_q, cu_k, batch.max_query_len, batch.max_context_len)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PagedBatch,
+                    layer: int) -> torch.Tensor:
+    """One layer's attention for a step: q [1, heads, T, head_dim], k/v [1, kv_heads, T,
+    head_dim] (the new tokens, rotated) -> [1, T, heads * head_dim]."""
+    k_cache, v_cache = batch.k_caches[layer], batch.v_caches[layer]
+    write_kv(k_cache, v_cache, k[0].transpose(0, 1), v[0].transpose(0, 1), batch.slot_mapping)
+    q = q[0].transpose(0, 1)  # [T, heads, head_dim]
+    if batch.backend == "reference":
+        out = reference_attention(q, k_cache, v_cache, batch)
+    else:
+        n = batch.num_decodes
+        parts = []
+        if n:
+            parts.append(decode_attention(q[:n], k_cache, v_cache, batch.block_tables[:n], batch.context_lens[:n],
+                                          batch.decode_splits))
+        if n < q.shape[0]:
+            parts.append(gathered_prefill(q[n:].contiguous(), k_cache, v_cache, batch))
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return out.reshape(1, out.shape[0], -1)

@@ -1,0 +1,278 @@
+"""The serving engine: one loop under `duoka generate`, `duoka serve` and the Python API.
+
+Every step the scheduler picks which sequences run and how many of their tokens (prefill
+chunks and one-token decodes together, under a token budget), the runner computes their
+logits over the paged KV cache, the sampler picks each sequence's next token on the
+device, and the detokenizer turns tokens into text and finds stop strings. Requests join
+and leave between any two steps.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+from duoka.data.tokenizer import Tokenizer, load_tokenizer
+from duoka.errors import DuokaError
+from duoka.hub import bundled_model_dir, resolve_model_dir
+from duoka.models.qwen2.hf_adapter import load_hf_model, read_config
+from duoka.parallel.devices import compute_dtype_name
+from duoka.serve.blocks import BlockManager
+from duoka.serve.detok import IncrementalDetokenizer
+from duoka.serve.params import RequestOutput, SamplingParams
+from duoka.serve.runner import (
+    CacheShape,
+    ModelRunner,
+    StepInputs,
+    available_kv_bytes,
+    cache_shape,
+    decode_first,
+    prepare_inputs,
+)
+from duoka.serve.sampling import Sampler, SampleRow
+from duoka.serve.scheduler import ScheduledBatch, Scheduler, SeqStatus, Sequence
+
+# Sampling defaults a model folder's generation_config.json may set (what vLLM takes from it).
+GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k")
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of the cache's blocks in use
+    kv_blocks: int
+    block_size: int
+    prefix_queries: int  # prompt tokens looked up in the prefix cache (cumulative)
+    prefix_hits: int  # of which found there
+    prompt_tokens: int  # prompt tokens computed (cumulative; cached ones excluded)
+    generation_tokens: int  # tokens sampled (cumulative)
+    num_preemptions: int  # sequences preempted for lack of blocks, to be recomputed (cumulative)
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+class LLMEngine:
+    """Loads a Hugging Face Qwen2 folder (or hub id) and serves requests step by step.
+
+    max_model_len: the longest prompt + output (default: the model's context).
+    gpu_memory_utilization: the share of the GPU the process may fill, weights and cache
+    together (CPU: the share of free RAM, at most CPU_KV_CACHE_GIB unless kv_cache_memory_gib).
+    num_kv_blocks: a fixed cache size instead (tests use a tiny one to force preemption)."""
+
+    def __init__(self, model: str | Path | None = None, *, device: str | None = None, dtype: str = "auto",
+                 max_model_len: int | None = None, gpu_memory_utilization: float = 0.9, block_size: int = 16,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, enable_prefix_caching: bool = True,
+                 num_kv_blocks: int | None = None, kv_cache_memory_gib: float | None = None, seed: int = 0,
+                 served_model_name: str | None = None, cuda_graphs: bool = True, log=_log):
+        if not 0 < gpu_memory_utilization <= 1:
+            raise DuokaError(f"--gpu-memory-utilization {gpu_memory_utilization} is outside (0, 1]",
+                             "give the share of the GPU's memory to use, e.g. 0.9")
+        if block_size < 1 or max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise DuokaError("block size, max_num_seqs and max_num_batched_tokens must be at least 1",
+                             "leave them at their defaults (16, 256, 8192) unless you are tuning")
+        folder = resolve_model_dir(model) if model is not None else bundled_model_dir()
+        self.folder = folder
+        self.model_name = served_model_name or str(model or "duoka-tiny-qwen2")
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise DuokaError("--device cuda was asked for but PyTorch sees no GPU",
+                             "run `nvidia-smi` to check the driver, or use --device cpu")
+        self.dtype = getattr(torch, compute_dtype_name(dtype, self.device.type))
+        args = read_config(folder)
+        context = args.max_seq_len
+        if max_model_len is not None and max_model_len > context:
+            raise DuokaError(f"--max-model-len {max_model_len} is longer than the model's context of {context} tokens",
+                             f"use --max-model-len {context} or less")
+        self.max_model_len = max_model_len or context
+        self.tokenizer: Tokenizer = load_tokenizer(folder)
+
+        t0 = time.perf_counter()
+        self.model, _ = load_hf_model(folder, device=self.device, dtype=self.dtype)
+        kv_bytes = 0
+        if num_kv_blocks is None:
+            self._profile(max_num_batched_tokens, max_num_seqs, block_size)
+            kv_bytes = available_kv_bytes(self.device, gpu_memory_utilization, kv_cache_memory_gib)
+        shape = cache_shape(self.model, args.n_kv_heads, block_size, self.dtype, kv_bytes, self.max_model_len,
+                            max_num_seqs, num_kv_blocks)
+        self.shape: CacheShape = shape
+        self.runner = ModelRunner(self.model, shape, self.device, self.max_model_len, max_num_seqs, cuda_graphs)
+        log(f"duoka: loaded {folder} on {self.device} ({str(self.dtype).removeprefix('torch.')}) in "
+            f"{time.perf_counter() - t0:.1f} s; KV cache {shape.tokens:,} tokens in {shape.num_blocks:,} blocks of "
+            f"{block_size} ({shape.num_blocks * shape.bytes_per_block / 2**30:.2f} GiB), maximum concurrency "
+            f"{shape.tokens / self.max_model_len:.1f}x at {self.max_model_len:,} tokens per request")
+
+        stop_ids = self.tokenizer.stop_ids()
+        if not stop_ids and args.eos_token_id is not None:
+            stop_ids = {args.eos_token_id} if isinstance(args.eos_token_id, int) else set(args.eos_token_id)
+        self.eos_ids = frozenset(stop_ids)
+        self.blocks = BlockManager(shape.num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, self.max_model_len,
+                                   self.eos_ids)
+        self.sampler = Sampler()
+        self.vocab_size = args.vocab_size
+        gen = self.tokenizer.generation_config
+        self.default_params = {k: gen[k] for k in GENERATION_CONFIG_KEYS if k in gen}
+        self._seeds = random.Random(seed)
+        self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer, int]] = {}  # id -> (seq, detok, seed)
+        self._aborted: list[RequestOutput] = []
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+        self._preemptions = 0
+
+    # ---------------------------------------------------------------- requests
+    def make_params(self, **overrides) -> SamplingParams:
+        """SamplingParams from the model's generation_config.json defaults and the request's fields."""
+        known = {f.name for f in fields(SamplingParams)}
+        return SamplingParams(**{**self.default_params, **{k: v for k, v in overrides.items() if k in known}})
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self._requests:
+            raise DuokaError(f"request id {request_id!r} is already running", "give each request its own id")
+        if not prompt_ids:
+            raise DuokaError("the prompt is empty", "give at least one token of prompt")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise DuokaError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                             "tokenize with this model's tokenizer")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise DuokaError(
+                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is {total} tokens, "
+                f"more than this server's maximum context of {self.max_model_len} tokens",
+                "shorten the prompt or lower max_tokens")
+        if -(-total // self.shape.block_size) > self.shape.num_blocks:
+            raise DuokaError(f"the request needs {total} tokens of KV cache; the whole cache holds {self.shape.tokens}",
+                             "lower max_tokens, or give the server more memory (--gpu-memory-utilization)")
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        seq = Sequence(request_id, list(prompt_ids), params)
+        detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop)
+        self.scheduler.add(seq)
+        self._requests[request_id] = (seq, detok, seed)
+
+    def abort(self, request_id: str) -> None:
+        """Free the request's blocks now; its final output (finish_reason "abort") comes with the next step."""
+        entry = self._requests.pop(request_id, None)
+        if entry is None:
+            return
+        seq = entry[0]
+        self.scheduler.abort(request_id)
+        self._aborted.append(RequestOutput(request_id, [], "", None, True, "abort", seq.num_prompt_tokens,
+                                           seq.num_output_tokens, seq.num_cached_tokens))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests) or bool(self._aborted)
+
+    # ---------------------------------------------------------------- the step
+    def step(self) -> list[RequestOutput]:
+        outputs, self._aborted = self._aborted, []
+        batch: ScheduledBatch = self.scheduler.schedule()
+        self._preemptions += len(batch.preempted)
+        sampled: dict[str, int] = {}
+        logprobs = {}
+        if batch.items:
+            items = decode_first(batch.items)
+            inputs = prepare_inputs(items, self.shape.block_size)
+            logits = self.runner.execute(inputs)
+            rows, ids = [], []
+            for item in items:
+                if item.sample:
+                    seq, _, seed = self._requests[item.seq.request_id]
+                    rows.append(SampleRow(seq.params, seed, seq.num_output_tokens, seq.output_ids))
+                    ids.append(seq.request_id)
+            result = self.sampler.sample(logits, rows)
+            sampled = dict(zip(ids, result.token_ids))
+            logprobs = dict(zip(ids, result.logprobs))
+            for item in batch.items:
+                if item.start < item.seq.num_prompt_tokens:
+                    self._prompt_tokens += min(item.num_new, item.seq.num_prompt_tokens - item.start)
+        self._generation_tokens += len(sampled)
+        for seq in self.scheduler.update(batch, sampled):
+            outputs.append(self._output(seq, sampled[seq.request_id], logprobs.get(seq.request_id)))
+        return outputs
+
+    def _output(self, seq: Sequence, token: int, logprob) -> RequestOutput:
+        _, detok, _ = self._requests[seq.request_id]
+        stopped_by_id = seq.status == SeqStatus.FINISHED and seq.finish_reason == "stop"
+        text, stop = ("", None) if stopped_by_id else detok.push([token])
+        if stop is not None and seq.status != SeqStatus.FINISHED:
+            self.scheduler.finish(seq, "stop")
+        if seq.status == SeqStatus.FINISHED:
+            if stop is None:
+                text += detok.flush()
+            del self._requests[seq.request_id]
+        return RequestOutput(seq.request_id, [token], text, None if logprob is None else [logprob],
+                             seq.status == SeqStatus.FINISHED, seq.finish_reason, seq.num_prompt_tokens,
+                             seq.num_output_tokens, seq.num_cached_tokens)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, self.blocks.usage,
+                           self.shape.num_blocks, self.shape.block_size, self.blocks.prefix_queries,
+                           self.blocks.prefix_hits, self._prompt_tokens, self._generation_tokens, self._preemptions)
+
+    # ---------------------------------------------------------------- start-up
+    @torch.inference_mode()
+    def _profile(self, max_num_batched_tokens: int, max_num_seqs: int, block_size: int) -> None:
+        """On GPU, run the largest step the scheduler can make (a full token budget, logits for
+        max_num_seqs rows) so that the peak it leaves is counted before the cache is sized."""
+        if self.device.type != "cuda":
+            return
+        tokens = min(max_num_batched_tokens, self.max_model_len)
+        blocks = -(-tokens // block_size)
+        args = self.model.args
+        shape = CacheShape(args.n_layers, blocks, block_size, args.n_kv_heads, args.resolved_head_dim, self.dtype)
+        runner = ModelRunner(self.model, shape, self.device, self.max_model_len, cuda_graphs=False)
+        inputs = StepInputs(
+            token_ids=torch.zeros(tokens, dtype=torch.long), positions=torch.arange(tokens),
+            slot_mapping=torch.arange(tokens), block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+            context_lens=torch.tensor([tokens], dtype=torch.int32), query_start=torch.tensor([0, tokens], dtype=torch.int32),
+            logits_indices=torch.arange(tokens - min(tokens, max_num_seqs), tokens), max_query_len=tokens,
+            num_decodes=0, max_context_len=tokens, prefill_context=tokens)
+        self.sampler.sample(runner.execute(inputs), [])
+        del runner
+        torch.cuda.synchronize(self.device)
+
+
+class LLM:
+    """The Python API: `LLM("Qwen/Qwen2-0.5B-Instruct").generate(["Hello"], SamplingParams(max_tokens=32))`."""
+
+    def __init__(self, model: str | Path | None = None, **engine_options):
+        self.engine = LLMEngine(model, **engine_options)
+
+    def generate(self, prompts: list[str] | list[list[int]], params: SamplingParams | None = None) -> list[Completion]:
+        params = params or self.engine.make_params()
+        tokenizer = self.engine.tokenizer
+        texts: dict[str, list[str]] = {}
+        ids: dict[str, list[int]] = {}
+        done: dict[str, RequestOutput] = {}
+        order = []
+        for i, prompt in enumerate(prompts):
+            request_id = f"llm-{i}"
+            prompt_ids = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            self.engine.add_request(request_id, prompt_ids, params)
+            texts[request_id], ids[request_id] = [], []
+            order.append(request_id)
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                texts[out.request_id].append(out.new_text)
+                ids[out.request_id].extend(out.new_token_ids)
+                if out.finished:
+                    done[out.request_id] = out
+        return [Completion("".join(texts[r]), ids[r], done[r].finish_reason, done[r].num_prompt_tokens,
+                           done[r].num_cached_tokens) for r in order]

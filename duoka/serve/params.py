@@ -1,0 +1,153 @@
+"""What a request asks of the engine (SamplingParams) and what it gets back per step.
+
+SamplingParams follows OpenAI's semantics and ranges, so the HTTP layer can pass a
+request's fields straight through; every check raises DuokaError naming the field, the
+value and the valid range (the API turns it into a 400). The dataclass is frozen:
+`dataclasses.replace` re-runs the checks, so defaults from generation_config.json are
+merged the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from duoka.errors import DuokaError
+
+# OpenAI's limit on top_logprobs; the sampler's top-k over the vocabulary is sized by it.
+MAX_LOGPROBS = 20
+# OpenAI allows 4 stop strings. More are accepted here (prompt formats often need several),
+# but not without bound: every stop string is searched in every step's new text of its
+# request, and the longest one sets how much text is held back from the stream.
+MAX_STOP_STRINGS = 16
+# OpenAI's range for both penalties.
+PENALTY_RANGE = (-2.0, 2.0)
+# The sampler hashes the seed as a 64-bit integer; vLLM accepts the same range.
+SEED_RANGE = (-(2**63), 2**63 - 1)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    """How many tokens to generate at most (>= 1)."""
+    temperature: float = 1.0
+    """Finite, >= 0; 0 = greedy (argmax)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose mass reaches top_p; (0, 1]."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 (or -1, stored as 0) = off."""
+    seed: int | None = None
+    """None: the engine draws one at admission. Same seed, same tokens whatever the batch."""
+    stop: tuple[str, ...] = ()
+    """Stop strings; the output text ends before the first one found (not included)."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra stop ids; the model's eos ids are added by the engine unless ignore_eos."""
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    """None: off; k >= 0: the sampled token's logprob and the k most likely alternatives."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self):
+        # Lists are accepted (JSON has no tuples) and stored as tuples so the params stay
+        # hashable; a single string is one stop string, not one per character.
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) for s in stop):
+            raise DuokaError(f"stop={self.stop!r} must be a string or a list of strings",
+                             'e.g. stop=["\\n\\n"]; leave it empty for no stop strings')
+        object.__setattr__(self, "stop", tuple(stop))
+        if not isinstance(self.stop_token_ids, (tuple, list)) or not all(_is_int(i) for i in self.stop_token_ids):
+            raise DuokaError(f"stop_token_ids={self.stop_token_ids!r} must be a list of integers",
+                             "give token ids, e.g. [151645]")
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.top_k == -1:  # vLLM's spelling of "off"
+            object.__setattr__(self, "top_k", 0)
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value):
+                raise DuokaError(f"{name}={value!r} must be a number", f"give {name} as a number")
+            # An int beyond float range becomes inf, which the range checks below reject.
+            huge = isinstance(value, int) and abs(value) > 2**1000
+            object.__setattr__(self, name, (math.inf if value > 0 else -math.inf) if huge else float(value))
+        self._check()
+
+    def _check(self):
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise DuokaError(f"max_tokens={self.max_tokens!r} must be an integer >= 1",
+                             "ask for at least one token")
+        # `nan < 0` is False, so NaN needs its own test; inf would sample uniformly.
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise DuokaError(f"temperature={self.temperature} must be a finite number >= 0",
+                             "use 0 for greedy decoding, or e.g. 0.7 to sample")
+        if not 0 < self.top_p <= 1:  # also rejects NaN
+            raise DuokaError(f"top_p={self.top_p} must be in (0, 1]",
+                             "use 1 to sample from the whole distribution, or e.g. 0.9")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise DuokaError(f"top_k={self.top_k!r} must be an integer >= 1, or 0 or -1 for off",
+                             "use 0 to disable top-k, or e.g. 50")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise DuokaError(f"seed={self.seed!r} must be an integer in [-2**63, 2**63 - 1]",
+                             "give a 64-bit integer seed, or none for a random one")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise DuokaError(f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are accepted "
+                             "(each is searched in every step's output)",
+                             f"keep the {MAX_STOP_STRINGS} that matter, or stop on token ids (stop_token_ids)")
+        if any(s == "" for s in self.stop):
+            raise DuokaError(f"stop={list(self.stop)!r} contains an empty string, which would match at once",
+                             "remove the empty string")
+        if any(i < 0 for i in self.stop_token_ids):
+            raise DuokaError(f"stop_token_ids={list(self.stop_token_ids)} contains a negative id",
+                             "token ids are >= 0")
+        if not isinstance(self.ignore_eos, bool):
+            raise DuokaError(f"ignore_eos={self.ignore_eos!r} must be true or false", "give a boolean")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise DuokaError(f"logprobs={self.logprobs!r} must be an integer in [0, {MAX_LOGPROBS}]",
+                             f"ask for at most {MAX_LOGPROBS} alternatives per token (OpenAI's limit)")
+        low, high = PENALTY_RANGE
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not low <= value <= high:  # also rejects NaN
+                raise DuokaError(f"{name}={value} must be in [{low:g}, {high:g}]",
+                                 "use 0 for no penalty; positive values discourage repeating tokens")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+    """The most likely alternatives as (token id, logprob), most likely first."""
+
+
+@dataclass
+class RequestOutput:
+    """A delta: what is new for one request after one engine step."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None
+    """"stop" | "length" | "abort"; None while running."""
+    num_prompt_tokens: int
+    num_output_tokens: int
+    """Total so far: tokens up to and including a stop token id; the text is cut at a stop string."""
+    num_cached_tokens: int
+    """Prompt tokens served from the prefix cache."""

@@ -1,0 +1,234 @@
+"""The model side of a serving step: the scheduled tokens as flat arrays (StepInputs), the
+paged KV cache sized from the memory left after the weights, and one forward per step.
+
+The runner does not know about requests or ranks: under tensor parallelism every rank
+runs the same `execute` on the same StepInputs (rank 0 builds them, duoka.serve.tp sends
+them), and only rank 0 reads the logits.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+import torch
+
+from duoka.errors import DuokaError
+from duoka.models import paged_decode
+from duoka.models.qwen2.model import Qwen2
+from duoka.models.qwen2.paged import PagedBatch
+from duoka.serve.scheduler import ScheduledItem
+
+# CPU serving is for laptops and tests: without a GPU's memory to fill, the cache takes
+# at most this much of the host's RAM unless --kv-cache-memory says otherwise.
+CPU_KV_CACHE_GIB = 1.0
+
+
+@dataclass
+class StepInputs:
+    """One step's tokens, flattened over the scheduled sequences (see PagedBatch)."""
+    token_ids: torch.Tensor  # int64 [T]
+    positions: torch.Tensor  # int64 [T]
+    slot_mapping: torch.Tensor  # int64 [T]
+    block_tables: torch.Tensor  # int32 [B, max_blocks]
+    context_lens: torch.Tensor  # int32 [B]
+    query_start: torch.Tensor  # int32 [B + 1]
+    logits_indices: torch.Tensor  # int64 [S]
+    max_query_len: int
+    num_decodes: int  # the first num_decodes sequences take one token each (decode_first order)
+    max_context_len: int
+    prefill_context: int  # context tokens of the sequences after the decodes, in all
+
+    def to(self, device: torch.device) -> StepInputs:
+        if device.type == "cpu":
+            return self
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        for name, value in moved.items():
+            if isinstance(value, torch.Tensor):
+                moved[name] = value.pin_memory().to(device, non_blocking=True)
+        return StepInputs(**moved)
+
+
+def decode_first(items: list[ScheduledItem]) -> list[ScheduledItem]:
+    """The step's one-token items first (the decode kernel's part), the rest after, each
+    group in scheduling order. The logits rows follow this order."""
+    return [item for item in items if item.num_new == 1] + [item for item in items if item.num_new != 1]
+
+
+def prepare_inputs(items: list[ScheduledItem], block_size: int) -> StepInputs:
+    """Host-side arrays for the scheduled items (in decode_first order), with a logits row
+    for each item that samples (its last new token)."""
+    tokens, positions, slots, starts, context, logits_rows = [], [], [], [0], [], []
+    width = max(len(item.seq.block_table) for item in items)
+    tables = []
+    for item in items:
+        seq, start, end = item.seq, item.start, item.start + item.num_new
+        table = seq.block_table
+        tokens.extend(seq.all_ids[start:end])
+        positions.extend(range(start, end))
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        starts.append(starts[-1] + item.num_new)
+        context.append(end)
+        tables.append(table + [0] * (width - len(table)))
+        if item.sample:
+            logits_rows.append(starts[-1] - 1)
+    return StepInputs(
+        token_ids=torch.tensor(tokens, dtype=torch.long),
+        positions=torch.tensor(positions, dtype=torch.long),
+        slot_mapping=torch.tensor(slots, dtype=torch.long),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        context_lens=torch.tensor(context, dtype=torch.int32),
+        query_start=torch.tensor(starts, dtype=torch.int32),
+        logits_indices=torch.tensor(logits_rows, dtype=torch.long),
+        max_query_len=max(item.num_new for item in items),
+        num_decodes=sum(item.num_new == 1 for item in items),
+        max_context_len=max(context),
+        prefill_context=sum(end for item, end in zip(items, context) if item.num_new != 1),
+    )
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """The paged KV cache of one rank: num_blocks blocks of block_size tokens per layer."""
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    kv_heads: int  # this rank's (under tensor parallelism, its share or a replica)
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.kv_heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+def available_kv_bytes(device: torch.device, gpu_memory_utilization: float, kv_cache_memory_gib: float | None) -> int:
+    """Bytes the KV cache may take: an explicit size, or on GPU what is left of
+    gpu_memory_utilization x the card once this process's peak (weights + one profiled step)
+    and other processes' memory are counted, as vLLM sizes it; on CPU a bounded share of RAM."""
+    if kv_cache_memory_gib is not None:
+        return int(kv_cache_memory_gib * 2**30)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        others = total - free - torch.cuda.memory_reserved(device)
+        return int(total * gpu_memory_utilization - others - torch.cuda.max_memory_allocated(device))
+    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return int(min(CPU_KV_CACHE_GIB * 2**30, available * gpu_memory_utilization))
+
+
+# Decode batch sizes replayed from CUDA graphs; a step of n decodes runs the smallest
+# bucket >= n with padding rows (vLLM's and nano-vllm's choice of sizes).
+GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+class ModelRunner:
+    """The model and its paged cache on one device; `execute` runs one step.
+
+    The cache holds one block more than the scheduler hands out: the scratch block that a
+    CUDA graph's padding rows write their keys and values into."""
+
+    def __init__(self, model: Qwen2, shape: CacheShape, device: torch.device, max_model_len: int,
+                 max_num_seqs: int = 256, cuda_graphs: bool = True):
+        self.model = model
+        self.shape = shape
+        self.device = device
+        block = (shape.num_blocks + 1, shape.block_size, shape.kv_heads, shape.head_dim)
+        self.k_caches = [torch.zeros(block, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
+        self.v_caches = [torch.zeros(block, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
+        self.scratch_block = shape.num_blocks
+        fast = device.type == "cuda" and paged_decode.available() and shape.dtype in (torch.bfloat16, torch.float16)
+        self.backend = "cuda" if fast else "reference"
+        self.max_blocks = -(-max_model_len // shape.block_size)
+        self.max_model_len = max_model_len
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if cuda_graphs and self.backend == "cuda":
+            self._capture([b for b in GRAPH_BUCKETS if b <= max_num_seqs] or [1])
+
+    def _batch(self, x: StepInputs, splits: int) -> PagedBatch:
+        return PagedBatch(self.k_caches, self.v_caches, x.slot_mapping, x.block_tables, x.context_lens,
+                          x.query_start, x.max_query_len, x.logits_indices, self.backend, x.num_decodes, splits,
+                          x.prefill_context, x.max_context_len)
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """The step's logits [S, vocab] in fp32 (hidden states on a stage without a head)."""
+        n = len(inputs.context_lens)
+        if self.graphs and inputs.num_decodes == n and n <= max(self.graphs):
+            return self._replay(inputs)
+        x = inputs.to(self.device)
+        splits = paged_decode.num_splits(x.num_decodes, self.shape.kv_heads, x.max_context_len) if x.num_decodes else 1
+        return self.model(x.token_ids[None], positions=x.positions, paged=self._batch(x, splits)).float()
+
+    # ---------------------------------------------------------------- CUDA graphs
+    def _capture(self, buckets: list[int]) -> None:
+        """One graph per bucket of decode batch size, largest first, sharing one memory pool.
+        The graphs read fixed input buffers; each replay copies the step's values into them."""
+        size = max(buckets)
+        long = dict(dtype=torch.long, device=self.device)
+        self._static = StepInputs(
+            token_ids=torch.zeros(size, **long), positions=torch.zeros(size, **long),
+            slot_mapping=torch.full((size,), self.scratch_block * self.shape.block_size, **long),
+            block_tables=torch.full((size, self.max_blocks), self.scratch_block, dtype=torch.int32, device=self.device),
+            context_lens=torch.ones(size, dtype=torch.int32, device=self.device),
+            query_start=torch.arange(size + 1, dtype=torch.int32, device=self.device),
+            logits_indices=torch.arange(size, **long), max_query_len=1, num_decodes=size,
+            max_context_len=self.max_model_len, prefill_context=0)
+        pool = None
+        for bucket in sorted(buckets, reverse=True):
+            batch = self._bucket_batch(bucket)
+            tokens, positions = self._static.token_ids[None, :bucket], self._static.positions[:bucket]
+            self.model(tokens, positions=positions, paged=batch)  # compiles the kernels outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.model(tokens, positions=positions, paged=batch).float()
+            pool = graph.pool()
+            self.graphs[bucket] = (graph, logits)
+        torch.cuda.synchronize(self.device)
+
+    def _bucket_batch(self, bucket: int) -> PagedBatch:
+        s = self._static
+        view = StepInputs(s.token_ids[:bucket], s.positions[:bucket], s.slot_mapping[:bucket], s.block_tables[:bucket],
+                          s.context_lens[:bucket], s.query_start[:bucket + 1], s.logits_indices[:bucket], 1, bucket,
+                          self.max_model_len, 0)
+        return self._batch(view, paged_decode.num_splits(bucket, self.shape.kv_heads, self.max_model_len))
+
+    def _replay(self, inputs: StepInputs) -> torch.Tensor:
+        n = len(inputs.context_lens)
+        bucket = min(b for b in self.graphs if b >= n)
+        s = self._static
+        x = inputs.to(self.device)
+        s.token_ids[:n].copy_(x.token_ids)
+        s.positions[:n].copy_(x.positions)
+        s.slot_mapping[:n].copy_(x.slot_mapping)
+        s.context_lens[:n].copy_(x.context_lens)
+        s.block_tables[:n, :x.block_tables.shape[1]].copy_(x.block_tables)
+        # Padding rows: one token of context in the scratch block, written to the scratch block.
+        s.slot_mapping[n:bucket].fill_(self.scratch_block * self.shape.block_size)
+        s.context_lens[n:bucket].fill_(1)
+        s.block_tables[n:bucket, 0].fill_(self.scratch_block)
+        graph, logits = self.graphs[bucket]
+        graph.replay()
+        return logits[:n]
+
+
+def cache_shape(model: Qwen2, kv_heads: int, block_size: int, dtype: torch.dtype, kv_bytes: int,
+                max_model_len: int, max_num_seqs: int, num_blocks: int | None = None) -> CacheShape:
+    """The cache for kv_bytes, capped at what max_num_seqs sequences of max_model_len can use;
+    num_blocks overrides the size (tests force preemption with a tiny cache)."""
+    args = model.args
+    shape = CacheShape(args.n_layers, 0, block_size, kv_heads, args.resolved_head_dim, dtype)
+    blocks_per_seq = -(-max_model_len // block_size)
+    if num_blocks is None:
+        num_blocks = min(kv_bytes // shape.bytes_per_block, blocks_per_seq * max_num_seqs)
+        if num_blocks < blocks_per_seq:
+            need = blocks_per_seq * shape.bytes_per_block / 2**30
+            raise DuokaError(
+                f"the KV cache has room for {max(num_blocks, 0) * block_size} tokens, less than one request of "
+                f"--max-model-len {max_model_len} ({need:.2f} GiB)",
+                "lower --max-model-len, raise --gpu-memory-utilization, or use more GPUs with --tp",
+            )
+    return CacheShape(args.n_layers, num_blocks, block_size, kv_heads, args.resolved_head_dim, dtype)

@@ -1,0 +1,251 @@
+"""Continuous batching: which tokens of which sequences the model computes at each step.
+
+The policy is vLLM v1's, first come first served, under one token budget per step
+(max_num_batched_tokens) shared by prefills and decodes:
+
+1. Running sequences, in admission order: a decode takes 1 token, an unfinished prefill
+   its next chunk, min(remaining, budget). When one needs a block and none is free, the most
+   recently admitted running sequence is preempted (possibly itself): its blocks are freed
+   (their hashes stay, so its re-admission usually hits the prefix cache), num_computed = 0
+   and it goes back to the FRONT of the waiting queue; its output tokens stay, so the
+   recompute covers prompt + output and it carries on where it stopped.
+2. Then, unless a preemption happened this step (blocks are short: admitting would only
+   thrash), waiting sequences in arrival order while the budget, max_num_seqs and the free
+   blocks last. A prompt longer than the remaining budget is chunked. The head of the queue
+   that does not get blocks stops admission: nobody overtakes it, so nobody starves.
+
+Termination: the engine refuses a request that could not fit in the whole cache on its own
+(add() asserts it), and the first running sequence is never preempted by a later one, so
+each step moves the oldest running sequence forward and every request finishes.
+
+Pure Python and O(scheduled sequences) per step: the host runs this between model steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+from duoka.serve.blocks import BlockManager
+from duoka.serve.params import SamplingParams
+
+
+class SeqStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """One request's tokens and its place in the cache.
+
+    all_ids is one list (prompt then output) kept in step with output_ids by append_token:
+    read or slice it, never rebuild it (a decode step would otherwise copy every token of
+    every running sequence). num_computed counts the tokens whose K/V are in the cache; a
+    running sequence always has num_computed < num_tokens (its last token is the next input).
+    """
+
+    __slots__ = ("request_id", "prompt_ids", "output_ids", "all_ids", "params", "status", "block_table",
+                 "num_computed", "num_cached_tokens", "arrival", "finish_reason", "num_preemptions",
+                 "block_hashes", "num_registered_blocks")
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float | None = None):
+        assert len(prompt_ids) >= 1, "a request has at least one prompt token"
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.all_ids = list(prompt_ids)
+        self.params = params
+        self.status = SeqStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_computed = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at the first admission
+        self.arrival = time.monotonic() if arrival is None else arrival
+        self.finish_reason: str | None = None
+        self.num_preemptions = 0
+        self.block_hashes: list[bytes] = []  # BlockManager's: hashes of the full blocks of all_ids
+        self.num_registered_blocks = 0  # BlockManager's: leading table blocks already cached
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_ids.append(token_id)
+        self.all_ids.append(token_id)
+
+    def __repr__(self):
+        return (f"Sequence({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+                f"output={self.num_output_tokens}, computed={self.num_computed}, blocks={len(self.block_table)})")
+
+
+@dataclass(slots=True)
+class ScheduledItem:
+    """Compute seq.all_ids[start:start + num_new] this step; sample a token after the last one
+    when sample (the chunk reaches the end of the sequence)."""
+    seq: Sequence
+    start: int
+    num_new: int
+    sample: bool
+
+
+@dataclass
+class ScheduledBatch:
+    items: list[ScheduledItem] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.num_new for item in self.items)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_ids: frozenset[int]):
+        assert max_num_seqs >= 1 and max_num_batched_tokens >= 1 and max_model_len >= 2
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_ids = frozenset(eos_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: preemption takes from the end
+        self.requests: dict[str, Sequence] = {}  # unfinished ones, for abort
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def add(self, seq: Sequence) -> None:
+        assert seq.status is SeqStatus.WAITING and not seq.block_table, seq
+        assert seq.request_id not in self.requests, f"request id {seq.request_id!r} is already in flight"
+        # The engine refuses what breaks these (DuokaError at add_request). They make
+        # preemption terminate: a sequence alone in the cache always gets its blocks.
+        assert seq.num_prompt_tokens < self.max_model_len, (seq.num_prompt_tokens, self.max_model_len)
+        longest = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
+        capacity = self.block_manager.num_blocks * self.block_manager.block_size
+        assert longest <= capacity, f"{seq.request_id}: {longest} tokens cannot fit in a cache of {capacity}"
+        self.requests[seq.request_id] = seq
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Finish an unfinished request with "abort", freeing its blocks now. None if there is
+        no such request in flight (unknown or already finished)."""
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        self.finish(seq, "abort")
+        return seq
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finish seq (e.g. the engine found a stop string). A sequence that finished already,
+        in this same step, only takes the new reason: a stop string in the token that also
+        reached max_tokens reports "stop", as vLLM does."""
+        if seq.status is SeqStatus.FINISHED:
+            seq.finish_reason = reason
+            return
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self._release(seq, reason)
+
+    def _release(self, seq: Sequence, reason: str) -> None:
+        self.block_manager.free(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        del self.requests[seq.request_id]
+
+    def schedule(self) -> ScheduledBatch:
+        bm = self.block_manager
+        budget = self.max_num_batched_tokens
+        batch = ScheduledBatch()
+        running = self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            num_new = min(seq.num_tokens - seq.num_computed, budget)
+            while not bm.ensure_slots(seq, num_new):
+                # Victims come from the end, behind seq: sequences already scheduled this step
+                # (before seq) are never touched, so this step's items stay valid.
+                victim = running.pop()
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.items.append(ScheduledItem(seq, seq.num_computed, num_new,
+                                                 seq.num_computed + num_new == seq.num_tokens))
+                budget -= num_new
+                i += 1
+        if batch.preempted:
+            # Popped most recent first; pushed to the front one by one, they end up in their
+            # original order ahead of everything that arrived later.
+            self.waiting.extendleft(batch.preempted)
+            return batch
+        while self.waiting and budget > 0 and len(running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            num_new = bm.allocate(seq, budget)
+            if num_new == 0:
+                break  # FCFS: the head waits for blocks; nobody overtakes it
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            running.append(seq)
+            batch.items.append(ScheduledItem(seq, seq.num_computed, num_new,
+                                             seq.num_computed + num_new == seq.num_tokens))
+            budget -= num_new
+        return batch
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)  # num_computed = 0, block_table emptied, hashes kept
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+
+    def update(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Sequence]:
+        """Account for a finished model step: the items' K/V are in the cache, and sampled holds
+        the token drawn for each item with sample=True. Returns the sequences that got a token
+        (finished ones included, with their finish_reason)."""
+        bm = self.block_manager
+        got_token = []
+        finished = False
+        for item in batch.items:
+            seq = item.seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # aborted after schedule(): its blocks are gone, its token is dropped
+            assert item.start == seq.num_computed, (item, seq)
+            seq.num_computed += item.num_new
+            bm.register_computed(seq)
+            if not item.sample:
+                continue
+            token = sampled[seq.request_id]
+            seq.append_token(token)
+            got_token.append(seq)
+            params = seq.params
+            if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+                reason = "stop"
+            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+                reason = "length"
+            else:
+                continue
+            self._release(seq, reason)
+            finished = True
+        if finished:  # one pass, not a list.remove per finished sequence
+            self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
+        return got_token
