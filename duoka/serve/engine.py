@@ -16,15 +16,17 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from duoka.data.tokenizer import Tokenizer, load_tokenizer
 from duoka.errors import DuokaError
 from duoka.hub import bundled_model_dir, resolve_model_dir
 from duoka.models.qwen2.hf_adapter import load_hf_model, read_config
 from duoka.parallel.devices import compute_dtype_name
+from duoka.parallel.serve_tp import check_tp_size, load_tp_model, local_kv_heads
 from duoka.serve.blocks import BlockManager
 from duoka.serve.detok import IncrementalDetokenizer
-from duoka.serve.params import RequestOutput, SamplingParams
+from duoka.serve.params import MAX_LOGPROBS, RequestOutput, SamplingParams
 from duoka.serve.runner import (
     CacheShape,
     ModelRunner,
@@ -36,6 +38,7 @@ from duoka.serve.runner import (
 )
 from duoka.serve.sampling import Sampler, SampleRow
 from duoka.serve.scheduler import ScheduledBatch, Scheduler, SeqStatus, Sequence
+from duoka.serve.tp import broadcast_step, step_group, worker_loop
 
 # Sampling defaults a model folder's generation_config.json may set (what vLLM takes from it).
 GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k")
@@ -80,7 +83,8 @@ class LLMEngine:
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.9, block_size: int = 16,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, enable_prefix_caching: bool = True,
                  num_kv_blocks: int | None = None, kv_cache_memory_gib: float | None = None, seed: int = 0,
-                 served_model_name: str | None = None, cuda_graphs: bool = True, log=_log):
+                 served_model_name: str | None = None, cuda_graphs: bool = True,
+                 tp_group: dist.ProcessGroup | None = None, log=_log):
         if not 0 < gpu_memory_utilization <= 1:
             raise DuokaError(f"--gpu-memory-utilization {gpu_memory_utilization} is outside (0, 1]",
                              "give the share of the GPU's memory to use, e.g. 0.9")
@@ -103,14 +107,29 @@ class LLMEngine:
         self.max_model_len = max_model_len or context
         self.tokenizer: Tokenizer = load_tokenizer(folder)
 
+        # Tensor parallelism: every rank builds this engine with the same arguments (the same
+        # start-up collectives: the load, the profile step, the KV agreement, the CUDA graphs);
+        # rank 0 then serves and sends each step to the others, which run_worker().
+        self.tp = dist.get_world_size(tp_group) if tp_group is not None else 1
+        self.tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+        check_tp_size(args, self.tp)
+        self._steps_group = step_group(tp_group) if self.tp > 1 else None
         t0 = time.perf_counter()
-        self.model, _ = load_hf_model(folder, device=self.device, dtype=self.dtype)
+        if self.tp > 1:
+            self.model = load_tp_model(folder, args, tp_group, self.device, self.dtype)
+        else:
+            self.model, _ = load_hf_model(folder, device=self.device, dtype=self.dtype)
+        self.sampler = Sampler()
         kv_bytes = 0
         if num_kv_blocks is None:
             self._profile(max_num_batched_tokens, max_num_seqs, block_size)
             kv_bytes = available_kv_bytes(self.device, gpu_memory_utilization, kv_cache_memory_gib)
-        shape = cache_shape(self.model, args.n_kv_heads, block_size, self.dtype, kv_bytes, self.max_model_len,
-                            max_num_seqs, num_kv_blocks)
+            if self.tp > 1:  # every rank's cache the same size: the smallest any rank can hold
+                least = torch.tensor([kv_bytes], dtype=torch.int64, device=self.device)
+                dist.all_reduce(least, op=dist.ReduceOp.MIN, group=tp_group)
+                kv_bytes = int(least.item())
+        shape = cache_shape(self.model, local_kv_heads(args, self.tp), block_size, self.dtype, kv_bytes,
+                            self.max_model_len, max_num_seqs, num_kv_blocks)
         self.shape: CacheShape = shape
         self.runner = ModelRunner(self.model, shape, self.device, self.max_model_len, max_num_seqs, cuda_graphs)
         log(f"duoka: loaded {folder} on {self.device} ({str(self.dtype).removeprefix('torch.')}) in "
@@ -125,7 +144,6 @@ class LLMEngine:
         self.blocks = BlockManager(shape.num_blocks, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, self.max_model_len,
                                    self.eos_ids)
-        self.sampler = Sampler()
         self.vocab_size = args.vocab_size
         gen = self.tokenizer.generation_config
         self.default_params = {k: gen[k] for k in GENERATION_CONFIG_KEYS if k in gen}
@@ -189,6 +207,8 @@ class LLMEngine:
         if batch.items:
             items = decode_first(batch.items)
             inputs = prepare_inputs(items, self.shape.block_size)
+            if self.tp > 1:
+                broadcast_step(inputs, self._steps_group)
             logits = self.runner.execute(inputs)
             rows, ids = [], []
             for item in items:
@@ -226,6 +246,16 @@ class LLMEngine:
                            self.shape.num_blocks, self.shape.block_size, self.blocks.prefix_queries,
                            self.blocks.prefix_hits, self._prompt_tokens, self._generation_tokens, self._preemptions)
 
+    # ---------------------------------------------------------------- tensor parallelism
+    def run_worker(self) -> None:
+        """A tp rank other than 0: run the steps rank 0 sends until its shutdown()."""
+        worker_loop(self.runner, self._steps_group)
+
+    def shutdown(self) -> None:
+        """Rank 0: release the other tp ranks (their run_worker returns)."""
+        if self.tp > 1 and self.tp_rank == 0:
+            broadcast_step(None, self._steps_group)
+
     # ---------------------------------------------------------------- start-up
     @torch.inference_mode()
     def _profile(self, max_num_batched_tokens: int, max_num_seqs: int, block_size: int) -> None:
@@ -244,7 +274,10 @@ class LLMEngine:
             context_lens=torch.tensor([tokens], dtype=torch.int32), query_start=torch.tensor([0, tokens], dtype=torch.int32),
             logits_indices=torch.arange(tokens - min(tokens, max_num_seqs), tokens), max_query_len=tokens,
             num_decodes=0, max_context_len=tokens, prefill_context=tokens)
-        self.sampler.sample(runner.execute(inputs), [])
+        # The sampler's worst case too: every row with top-k and top-p sorts the vocabulary.
+        worst = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=MAX_LOGPROBS)
+        logits = runner.execute(inputs)
+        self.sampler.sample(logits, [SampleRow(worst, 0, 0, []) for _ in range(len(logits))])
         del runner
         torch.cuda.synchronize(self.device)
 

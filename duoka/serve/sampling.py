@@ -76,7 +76,7 @@ def log_exponential_noise(keys: torch.Tensor, vocab_ids: torch.Tensor) -> torch.
     """log E for E ~ Exp(1), one per (row key, vocabulary id): keys int64 [S, 1], vocab_ids
     int64 [S, V] or [1, V] -> fp32 [S, V]. Element (r, i) is output vocab_ids[r, i] + 1 of
     the SplitMix64 stream seeded with keys[r], so it depends on nothing else."""
-    z = _mix64_(keys + (vocab_ids + 1) * _signed(_GAMMA))
+    z = _mix64_((vocab_ids.expand(keys.shape[0], -1) + 1).mul_(_signed(_GAMMA)).add_(keys))
     v = _shr_logical(z, 1).float().mul_(_TWO_POW_M63).clamp_(_TWO_POW_M63, _V_MAX)
     return v.neg_().log1p_().neg_().log_()  # E = -log(1 - v), fine-grained near 0 through log1p
 
@@ -125,7 +125,7 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         logits = logits.float()
-        S, V = logits.shape
+        S = logits.shape[0]
         device = logits.device
         params = [r.params for r in rows]
 
@@ -176,12 +176,13 @@ class Sampler:
         counts = torch.zeros(S, V + 1, device=device).scatter_add_(1, padded, torch.ones(padded.shape, device=device))
         counts = counts[:, :V]
         coefs = _upload([[r.params.presence_penalty, r.params.frequency_penalty] for r in rows], torch.float32, device)
-        return logits - coefs[:, :1] * (counts > 0) - coefs[:, 1:] * counts
+        penalised = logits - coefs[:, 1:] * counts
+        return penalised.sub_(coefs[:, :1] * (counts > 0))
 
     def _race(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """Temperature, top-k, top-p and the exponential race for every row (greedy rows take a
         dummy temperature of 1 and are replaced by the caller)."""
-        S, V = logits.shape
+        V = logits.shape[1]
         device = logits.device
         params = [r.params for r in rows]
         keys = _upload([[_signed(row_key(r.seed, r.output_index))] for r in rows], torch.int64, device)
@@ -190,20 +191,25 @@ class Sampler:
         temps = _upload([p.temperature or 1.0 for p in params], torch.float32, device)
         # Subtracting the row max first keeps every value <= 0, so a tiny temperature gives
         # -inf at worst, never inf - inf; the clamp keeps an fp32-underflowing one above 0.
-        scaled = (logits - logits.amax(dim=-1, keepdim=True)) / temps.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
+        # In-place steps below: each [S, V] temporary is a large allocation at a big batch.
+        scaled = logits.sub(logits.amax(dim=-1, keepdim=True))
+        scaled.div_(temps.clamp_min(torch.finfo(torch.float32).tiny)[:, None])
         if all(k == V for k in top_k) and all(p == float("inf") for p in top_p):
-            return (scaled - log_exponential_noise(keys, self._vocab_ids(V, device))).argmax(dim=-1)
+            return log_exponential_noise(keys, self._vocab_ids(V, device)).neg_().add_(scaled).argmax(dim=-1)
 
         # One descending sort serves every row's k and p: top-k masks ranks >= k, top-p then
         # keeps the smallest prefix whose mass reaches p (the most likely token always stays).
         # The race runs in sorted order, each entry with the noise of its own vocabulary id.
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        limits = _upload([[k, p] for k, p in zip(top_k, top_p)], torch.float64, device)
-        rank = self._vocab_ids(V, device)
-        sorted_logits = sorted_logits.masked_fill(rank >= limits[:, :1], float("-inf"))
+        del scaled
+        ks = _upload([[k] for k in top_k], torch.int64, device)
+        sorted_logits.masked_fill_(self._vocab_ids(V, device) >= ks, float("-inf"))
         if any(p != float("inf") for p in top_p):
+            ps = _upload([[p] for p in top_p], torch.float32, device)
             probs = sorted_logits.softmax(dim=-1)
-            mass_before = probs.cumsum(dim=-1) - probs
-            sorted_logits = sorted_logits.masked_fill(mass_before >= limits[:, 1:].float(), float("-inf"))
-        winner = (sorted_logits - log_exponential_noise(keys, order)).argmax(dim=-1, keepdim=True)
+            mass_before = probs.cumsum(dim=-1).sub_(probs)
+            del probs
+            sorted_logits.masked_fill_(mass_before >= ps, float("-inf"))
+            del mass_before
+        winner = log_exponential_noise(keys, order).neg_().add_(sorted_logits).argmax(dim=-1, keepdim=True)
         return order.gather(1, winner)[:, 0]

@@ -67,8 +67,8 @@ def test_batching_chunking_prefix_cache_and_preemption_change_nothing(model_fold
     assert stats.prefix_hits >= 3 * 28  # the shared 30-token prefix: seven full blocks reused per later request
     assert stats.kv_usage == 0
 
-    # A cache of 40 blocks (160 tokens) for 20 requests of up to 70 tokens: preemption.
-    tight = LLM(folder, device="cpu", block_size=4, num_kv_blocks=40)
+    # A cache of 40 blocks (160 tokens) for 20 requests of up to 94 tokens: preemption.
+    tight = LLM(folder, device="cpu", block_size=4, num_kv_blocks=40, max_model_len=128)
     assert [c.token_ids for c in tight.generate(batch, GREEDY)] == want
     assert tight.engine.stats().num_preemptions > 0
 

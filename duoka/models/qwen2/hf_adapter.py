@@ -144,8 +144,10 @@ def _expected_tensors(model: Qwen2) -> dict[str, tuple[int, ...]]:
     return expected
 
 
-def load_hf_weights(model: Qwen2, folder: Path, allow_unused: bool = False) -> None:
-    """Fill an allocated model from the folder's safetensors.
+def open_checkpoint(folder: Path, model: Qwen2, allow_unused: bool = False) -> tuple[dict[str, Path], dict]:
+    """(HF name -> file, file -> open handle) for the folder's safetensors, once every tensor
+    `model` needs (a meta-device model is enough: only shapes are read) is found in the
+    headers with its shape; all problems are named in one error.
 
     allow_unused: accept checkpoint tensors the model does not hold (a pipeline stage
     loads only its layers). Missing or wrongly shaped tensors are always an error."""
@@ -178,9 +180,14 @@ def load_hf_weights(model: Qwen2, folder: Path, allow_unused: bool = False) -> N
     if problems:
         raise DuokaError(f"checkpoint {folder} does not match its config.json:\n    " + "\n    ".join(problems),
                          "the weights and config.json come from different models, or the files are damaged")
+    return files, handles
 
+
+def load_hf_weights(model: Qwen2, folder: Path, allow_unused: bool = False) -> None:
+    """Fill an allocated model from the folder's safetensors (checked by open_checkpoint)."""
+    files, handles = open_checkpoint(folder, model, allow_unused)
     params = model.state_dict()
-    for hf_name in expected:
+    for hf_name in _expected_tensors(model):
         write_full_(params[hf_to_duoka(hf_name)], handles[files[hf_name]].get_tensor(hf_name))
 
 

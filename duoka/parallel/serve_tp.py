@@ -1,0 +1,161 @@
+"""Tensor parallelism for serving: each rank builds and loads only its shard of the model,
+as plain tensors (no DTensor: a decode step is a few milliseconds, and DTensor's dispatch
+would cost more than the matmuls), with one all-reduce after attention and one after the MLP.
+
+The layout is Megatron's (Shoeybi et al. 2019, arXiv:1909.08053), as gpt-fast's tp.py:
+q/k/v and gate/up projections split by output rows (whole heads per rank, the q/k/v biases
+with their rows), o and down projections split by input columns, so each rank's attention
+and MLP produce a partial sum of the full output that one all-reduce completes. Embedding,
+norms and output head stay whole on every rank.
+
+Grouped-query attention with fewer KV heads than ranks (Qwen2-1.5B's 2 at tp 4) replicates
+the KV heads: each rank keeps the one KV head its query heads read. A shard is a Qwen2 built
+with the shard's sizes (shard_args), so every module is configured at construction and the
+paged KV cache is allocated with the local head count like any model's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from duoka.errors import DuokaError
+from duoka.models.qwen2.args import ModelArgs, ModelOptions
+from duoka.models.qwen2.hf_adapter import duoka_to_hf, open_checkpoint
+from duoka.models.qwen2.model import Attention, FeedForward, Qwen2, build_model, materialize
+
+# Parameters split by output rows (dim 0) or input columns (dim 1); every other one is
+# replicated. The key/value projections are split by rows too, by KV head (kv_head_range).
+_Q_ROWS = ("attention.wq.weight", "attention.wq.bias")
+_KV_ROWS = ("attention.wk.weight", "attention.wk.bias", "attention.wv.weight", "attention.wv.bias")
+_MLP_ROWS = ("feed_forward.w1.weight", "feed_forward.w3.weight")
+_Q_COLUMNS = ("attention.wo.weight",)
+_MLP_COLUMNS = ("feed_forward.w2.weight",)
+
+
+def tp_problems(args: ModelArgs, tp: int) -> list[str]:
+    """Why `tp` ranks cannot split this model (empty when they can)."""
+    if tp < 1:
+        return [f"tp={tp} is not a process count"]
+    problems = []
+    if args.n_heads % tp:
+        problems.append(f"its {args.n_heads} attention heads are not divisible by {tp}")
+    if tp <= args.n_kv_heads and args.n_kv_heads % tp:
+        problems.append(f"its {args.n_kv_heads} KV heads are not divisible by {tp}")
+    if tp > args.n_kv_heads and tp % args.n_kv_heads:
+        # Replicated KV heads: each rank's query heads must all read one KV head.
+        problems.append(f"{tp} is not a multiple of its {args.n_kv_heads} KV heads (needed to replicate them)")
+    if args.intermediate_size % tp:
+        problems.append(f"its MLP width {args.intermediate_size} is not divisible by {tp}")
+    return problems
+
+
+def valid_tp_sizes(args: ModelArgs) -> list[int]:
+    """Every tp that splits this model; none exceeds the query head count."""
+    return [tp for tp in range(1, args.n_heads + 1) if not tp_problems(args, tp)]
+
+
+def check_tp_size(args: ModelArgs, tp: int) -> None:
+    """Refuse a tp that cannot split the model, before any process starts, naming the sizes that can."""
+    problems = tp_problems(args, tp)
+    if problems:
+        sizes = ", ".join(str(n) for n in valid_tp_sizes(args))
+        raise DuokaError(f"tensor parallelism over {tp} processes cannot split this model: " + "; ".join(problems),
+                         f"use a tp that divides it: {sizes}")
+
+
+def local_kv_heads(args: ModelArgs, tp: int) -> int:
+    """KV heads one rank holds (and its paged KV cache is allocated with): a share of them,
+    or one replicated head when there are fewer KV heads than ranks."""
+    return max(1, args.n_kv_heads // tp)
+
+
+def shard_args(args: ModelArgs, tp: int) -> ModelArgs:
+    """The sizes of one rank's shard as a model of its own: its query heads, KV heads and MLP
+    width, the head width pinned (dim // n_heads would change with the head count)."""
+    check_tp_size(args, tp)
+    return args.replace(n_heads=args.n_heads // tp, n_kv_heads=local_kv_heads(args, tp),
+                        intermediate_size=args.intermediate_size // tp, head_dim=args.resolved_head_dim)
+
+
+def kv_head_range(args: ModelArgs, tp: int, rank: int) -> tuple[int, int]:
+    """[first, last) KV heads of `rank`. Replicated: the KV head its query heads' group reads."""
+    if tp <= args.n_kv_heads:
+        n = args.n_kv_heads // tp
+        return rank * n, (rank + 1) * n
+    first = (rank * (args.n_heads // tp)) // (args.n_heads // args.n_kv_heads)
+    return first, first + 1
+
+
+def shard_range(name: str, args: ModelArgs, tp: int, rank: int) -> tuple[int, int, int] | None:
+    """(dim, start, stop) of the full tensor that parameter `name` (duoka's name) holds on
+    `rank`, or None when it is replicated."""
+    suffix = name.split(".", 2)[-1] if name.startswith("layers.") else name
+    hd = args.resolved_head_dim
+    q = args.n_heads // tp * hd
+    mlp = args.intermediate_size // tp
+    if suffix in _Q_ROWS or suffix in _Q_COLUMNS:
+        return (0 if suffix in _Q_ROWS else 1), rank * q, (rank + 1) * q
+    if suffix in _KV_ROWS:
+        first, last = kv_head_range(args, tp, rank)
+        return 0, first * hd, last * hd
+    if suffix in _MLP_ROWS or suffix in _MLP_COLUMNS:
+        return (0 if suffix in _MLP_ROWS else 1), rank * mlp, (rank + 1) * mlp
+    return None
+
+
+def build_shard(args: ModelArgs, tp: int, device: str | torch.device, dtype: torch.dtype,
+                options: ModelOptions = ModelOptions()) -> Qwen2:
+    """One rank's shard, allocated (uninitialised) on `device` in `dtype`: built on meta
+    with shard_args, so no rank ever allocates a full projection."""
+    return materialize(build_model(shard_args(args, tp), options), device, dtype)
+
+
+@torch.no_grad()
+def load_shard(model: Qwen2, folder: Path, args: ModelArgs, tp: int, rank: int) -> None:
+    """Fill a build_shard model with `rank`'s slices of the folder's safetensors. Sharded
+    weights are read through safetensors' get_slice, so a rank reads only its part of each
+    from disk: 72B loads at tp 8 without any rank holding a full layer's projections.
+    The checkpoint's headers are checked against the full model `args` first."""
+    files, handles = open_checkpoint(folder, build_model(args))
+    for name, param in model.state_dict().items():
+        if name == "output.weight" and args.tie_word_embeddings:
+            continue  # the embedding's weight, loaded under its own name
+        hf_name = duoka_to_hf(name)
+        source = handles[files[hf_name]]
+        part = shard_range(name, args, tp, rank)
+        if part is None:
+            value = source.get_tensor(hf_name)
+        else:
+            dim, start, stop = part
+            lazy = source.get_slice(hf_name)
+            value = lazy[start:stop] if dim == 0 else lazy[:, start:stop]
+        if tuple(value.shape) != tuple(param.shape):  # a bug in the layout, not in the checkpoint
+            raise RuntimeError(f"{name}: slice {tuple(value.shape)} does not fit the shard's {tuple(param.shape)}")
+        param.copy_(value)
+
+
+def all_reduce_outputs(model: nn.Module, group: dist.ProcessGroup | None) -> list[RemovableHandle]:
+    """Sum each attention's and each MLP's output over the tp group, in place, where the
+    row-split o and down projections leave partial sums: exactly two all-reduces per layer.
+    Forward hooks stay outside compiled bodies and inside CUDA-graph captures."""
+    def reduce(module: nn.Module, inputs, output: torch.Tensor) -> None:
+        dist.all_reduce(output, group=group)
+
+    return [m.register_forward_hook(reduce) for m in model.modules() if isinstance(m, (Attention, FeedForward))]
+
+
+def load_tp_model(folder: Path, args: ModelArgs, group: dist.ProcessGroup | None, device: str | torch.device,
+                  dtype: torch.dtype, options: ModelOptions = ModelOptions()) -> Qwen2:
+    """This rank's shard of the model in `folder` (config `args`), loaded and all-reducing
+    over `group` (tp = the group's size, this rank = its rank in it), in eval mode."""
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    model = build_shard(args, tp, device, dtype, options)
+    load_shard(model, folder, args, tp, rank)
+    if tp > 1:
+        all_reduce_outputs(model, group)
+    return model.eval()

@@ -1,0 +1,554 @@
+"""The OpenAI-compatible HTTP API (FastAPI): /v1/chat/completions, /v1/completions,
+/v1/models, /health, /metrics.
+
+Formats follow OpenAI's API as vLLM implements it (vllm/entrypoints/openai), so that the
+`openai` client and `vllm bench serve` work unmodified:
+- responses: chat.completion / text_completion objects with usage counted exactly (prompt
+  tokens = the token ids the engine got, after the chat template; completion tokens = what
+  the engine generated, a stop token id included);
+- streams: server-sent events `data: {json}\\n\\n`; chat's first chunk carries the role (sent
+  with the first token, as vLLM does, so a client's time-to-first-token means the first
+  token), the last content chunk carries finish_reason, then with
+  stream_options.include_usage a chunk with `choices: []` and the usage, then `data: [DONE]`;
+- errors: `{"error": {"message", "type", "param", "code"}}`, 400 for every malformed request
+  (FastAPI's 422 is turned into 400), 401 for a missing or wrong key on /v1/*, 404 for an
+  unknown route, 503 with Retry-After when the queue is full or the server is draining,
+  500 only when the engine itself failed.
+
+Unknown extra fields are accepted and ignored, as OpenAI-compatible servers do; known
+fields are validated strictly (a string where a number belongs is a 400, not coerced), and
+known fields whose non-default values duoka cannot honour (n > 1, tools, echo, ...) are a
+400 rather than a silent difference.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import sys
+import time
+import traceback
+import uuid
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, AsyncIterator, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from duoka.errors import DuokaError
+from duoka.serve.async_engine import AsyncEngine, EngineError, RequestStream, ServerBusy
+from duoka.serve.metrics import CONTENT_TYPE
+from duoka.serve.params import MAX_LOGPROBS, RequestOutput, SamplingParams
+
+# JSON has no -inf; a token the model rules out entirely gets vLLM's stand-in value.
+LOGPROB_FLOOR = -9999.0
+
+
+# ---------------------------------------------------------------- errors
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+
+def _error_type(status: int) -> str:
+    # OpenAI's types: a client's mistake (the key included) is an invalid_request_error.
+    return "invalid_request_error" if status < 500 else "server_error"
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _error_type(status), "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+
+
+def _duoka_message(e: DuokaError) -> str:
+    return e.cause if e.fix is None else f"{e.cause}; fix: {e.fix}"
+
+
+def _busy_code(e: ServerBusy) -> str:
+    return {"QueueFull": "queue_full", "Draining": "server_shutting_down", "EngineDead": "engine_dead"}.get(
+        type(e).__name__, "unavailable")
+
+
+def _busy_error(e: ServerBusy) -> ApiError:
+    return ApiError(503, str(e), code=_busy_code(e), headers={"Retry-After": str(e.retry_after_s)})
+
+
+# ---------------------------------------------------------------- request bodies
+class _Body(BaseModel):
+    # strict: "5" is not an integer and "yes" not a boolean (OpenAI refuses them too);
+    # extra="allow": fields of newer clients and other servers pass and are ignored.
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class _Common(_Body):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # Known fields whose non-default values duoka does not implement: refused, not ignored.
+    min_tokens: int = Field(0, ge=0)
+    logit_bias: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    use_beam_search: bool = False
+    repetition_penalty: float | None = None  # vLLM's; `vllm bench serve` sends 1.0, which changes nothing
+    min_p: float | None = None
+
+
+class ChatRequest(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class CompletionRequest(_Common):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+
+def _refuse_unsupported(body: _Common) -> None:
+    if body.n > 1:
+        raise ApiError(400, f"n={body.n}: n>1 is not supported yet; send n separate requests (each with its own seed)",
+                       param="n")
+    unsupported = [("min_tokens", body.min_tokens > 0), ("logit_bias", bool(body.logit_bias)),
+                   ("tools", bool(body.tools)), ("use_beam_search", body.use_beam_search),
+                   ("repetition_penalty", body.repetition_penalty not in (None, 1.0)), ("min_p", bool(body.min_p))]
+    if isinstance(body, CompletionRequest):
+        unsupported += [("echo", body.echo), ("suffix", bool(body.suffix)), ("best_of", (body.best_of or 1) > 1)]
+    for name, asked in unsupported:
+        if asked:
+            raise ApiError(400, f"{name} is not supported by duoka serve yet; leave it out of the request", param=name)
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
+
+
+# ---------------------------------------------------------------- the app
+@dataclass
+class _Prepared:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+class _BearerAuth:
+    """ASGI middleware: /v1/* needs `Authorization: Bearer <key>` (checked before the body is
+    read, so a caller without the key learns nothing about the request's validity). /health
+    and /metrics stay open for probes and scrapers, as vLLM's --api-key does."""
+
+    def __init__(self, app, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):  # constant time: no key recovery by timing
+                response = error_response(401, "missing or wrong API key: send the header 'Authorization: Bearer "
+                                               "<key>' with the key the server was started with (--api-key)",
+                                          code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(async_engine: AsyncEngine, tokenizer, model_name: str, max_model_len: int,
+              default_params: dict[str, Any], api_key: str | None = None) -> FastAPI:
+    """default_params: SamplingParams fields from the model's generation_config.json; a
+    request's own fields override them."""
+    app = FastAPI(title="duoka serve", docs_url=None, redoc_url=None, openapi_url=None)
+    if api_key:
+        app.add_middleware(_BearerAuth, api_key=api_key)
+    started = int(time.time())
+    server = _Server(async_engine, tokenizer, model_name, max_model_len, dict(default_params))
+
+    # ---- errors in OpenAI's format
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return error_response(400, *_validation_message(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}; the API serves /v1/chat/completions, " \
+                      "/v1/completions, /v1/models, /health and /metrics"
+        elif exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(exc.detail)
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ApiError)
+    async def _api(request: Request, exc: ApiError):
+        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):  # a bug: the client gets a 500 object, the log the trace
+        print(f"duoka serve: internal error on {request.method} {request.url.path}:\n{traceback.format_exc()}",
+              file=sys.stderr, flush=True)
+        return error_response(500, f"internal server error ({type(exc).__name__}); the server's log has the traceback")
+
+    # ---- routes
+    @app.get("/health")
+    async def health():
+        dead = async_engine.dead
+        if dead is not None:
+            return error_response(503, f"the engine is not usable ({dead})", code="engine_dead")
+        if not async_engine.accepting:
+            return error_response(503, "the server is shutting down", code="server_shutting_down")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(async_engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
+                                            "owned_by": "duoka", "root": model_name, "parent": None,
+                                            "max_model_len": max_model_len}]}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        prepared = await server.prepare_chat(body)
+        return await server.respond(request, prepared, body, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        prepared = await server.prepare_completion(body)
+        return await server.respond(request, prepared, body, chat=False)
+
+    return app
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """The first error as (message, param): 'messages.0.role: Input should be ...'."""
+    errors = exc.errors()
+    if not errors:
+        return "the request body is invalid", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", "")
+        return f"the request body is not valid JSON ({detail} at character {first['loc'][-1]})", None
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if not loc:
+        return ("the request body must be a JSON object, sent with 'Content-Type: application/json' "
+                f"({first.get('msg', 'invalid')})"), None
+    param = ".".join(loc)
+    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    return f"{param}: {first.get('msg', 'invalid value')}{more}", param
+
+
+class _Server:
+    def __init__(self, async_engine: AsyncEngine, tokenizer, model_name: str, max_model_len: int,
+                 default_params: dict[str, Any]):
+        self.engine = async_engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.default_params = default_params
+        self.token_text = lru_cache(maxsize=65536)(lambda i: tokenizer.decode([i]))
+
+    # ---- request -> (prompt ids, SamplingParams)
+    def _check_model(self, body: _Common) -> None:
+        if body.model is not None and body.model != self.model_name:
+            raise ApiError(400, f"model {body.model!r} is not served here; this server serves {self.model_name!r} "
+                                "(GET /v1/models lists it)", param="model", code="model_not_found")
+
+    async def prepare_chat(self, body: ChatRequest) -> _Prepared:
+        self._check_model(body)
+        _refuse_unsupported(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+        messages = [_message_dict(i, m) for i, m in enumerate(body.messages)]
+        try:
+            prompt_ids = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages,
+                                                 add_generation_prompt=True)
+        except DuokaError as e:
+            raise ApiError(400, _duoka_message(e), param="messages") from None
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        return self._prepare("chatcmpl", list(prompt_ids), body, max_tokens, logprobs, "messages")
+
+    async def prepare_completion(self, body: CompletionRequest) -> _Prepared:
+        self._check_model(body)
+        _refuse_unsupported(body)
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            if len(prompt) != 1:
+                raise ApiError(400, f"prompt is a batch of {len(prompt)} prompts; batched prompts are not supported "
+                                    "yet: send one request per prompt", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            prompt_ids = await asyncio.to_thread(self.tokenizer.encode, prompt)
+        else:
+            prompt_ids = list(prompt)
+            bad = [t for t in prompt_ids if t < 0]
+            if bad:
+                raise ApiError(400, f"prompt token id {bad[0]} is negative", param="prompt")
+        return self._prepare("cmpl", list(prompt_ids), body, body.max_tokens, body.logprobs, "prompt")
+
+    def _prepare(self, prefix: str, prompt_ids: list[int], body: _Common, max_tokens: int | None,
+                 logprobs: int | None, prompt_param: str) -> _Prepared:
+        n, limit = len(prompt_ids), self.max_model_len
+        if n == 0:
+            raise ApiError(400, "the prompt is empty (0 tokens); give at least one token", param=prompt_param)
+        if n >= limit:
+            raise ApiError(400, f"the prompt has {n} tokens, but this model's maximum context length is {limit} "
+                                "tokens, which leaves no room for output; fix: shorten the prompt to at most "
+                                f"{limit - 1} tokens", param=prompt_param, code="context_length_exceeded")
+        if max_tokens is not None and n + max_tokens > limit:
+            raise ApiError(400, f"this model's maximum context length is {limit} tokens, but the request asks for "
+                                f"{n + max_tokens}: {n} in the prompt and {max_tokens} in max_tokens; fix: lower "
+                                f"max_tokens to {limit - n} or less, or shorten the prompt",
+                           param="max_tokens", code="context_length_exceeded")
+        if max_tokens is None:  # OpenAI: as long as the context allows; a model default may say less
+            max_tokens = min(limit - n, self.default_params.get("max_tokens", limit))
+        fields = {**self.default_params, "max_tokens": max_tokens, "ignore_eos": body.ignore_eos, "logprobs": logprobs}
+        for name in ("temperature", "top_p", "top_k", "seed", "presence_penalty", "frequency_penalty"):
+            value = getattr(body, name)
+            if value is not None:
+                fields[name] = value
+        if body.stop is not None:
+            fields["stop"] = body.stop
+        if body.stop_token_ids is not None:
+            fields["stop_token_ids"] = body.stop_token_ids
+        try:
+            params = SamplingParams(**fields)
+        except DuokaError as e:
+            raise ApiError(400, _duoka_message(e)) from None
+        return _Prepared(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, params)
+
+    # ---- running it
+    async def respond(self, request: Request, prepared: _Prepared, body: _Common, chat: bool):
+        try:
+            stream = await self.engine.generate(prepared.request_id, prepared.prompt_ids, prepared.params)
+        except DuokaError as e:
+            raise ApiError(400, _duoka_message(e)) from None
+        except ServerBusy as e:
+            raise _busy_error(e) from None
+        created = int(time.time())
+        want_logprobs = prepared.params.logprobs is not None
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            events = (self._chat_events if chat else self._completion_events)(
+                stream, prepared.request_id, created, include_usage, want_logprobs)
+            # The background abort covers a client that left before the first event: Starlette
+            # then never starts the generator, so its own `finally` would not run.
+            return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(stream.abort),
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        collected = await _unless_disconnected(request, _collect(stream))
+        if collected is None:  # the client went away; its request was aborted, nobody reads this
+            return Response(status_code=499)
+        if isinstance(collected, Exception):
+            return _failure_response(collected)
+        text, outputs = collected
+        last = outputs[-1]
+        logprobs = [lp for out in outputs for lp in (out.new_logprobs or [])]
+        choice: dict[str, Any] = {"index": 0}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+            choice["logprobs"] = {"content": self._chat_logprobs(logprobs)} if want_logprobs else None
+        else:
+            choice["text"] = text
+            choice["logprobs"] = self._completion_logprobs(logprobs, 0) if want_logprobs else None
+        choice["finish_reason"] = last.finish_reason
+        return {"id": prepared.request_id, "object": "chat.completion" if chat else "text_completion",
+                "created": created, "model": self.model_name, "choices": [choice], "usage": _usage(last)}
+
+    async def _chat_events(self, stream: RequestStream, request_id: str, created: int, include_usage: bool,
+                           want_logprobs: bool) -> AsyncIterator[str]:
+        base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
+        if include_usage:
+            base["usage"] = None  # OpenAI: every chunk has usage null but the last one
+
+        def chunk(delta: dict, logprobs=None, finish_reason=None) -> str:
+            return _sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                                              "finish_reason": finish_reason}]})
+
+        last = None
+        try:
+            async for out in stream:
+                if last is None:
+                    yield chunk({"role": "assistant", "content": ""})
+                last = out
+                if not (out.new_text or out.finished or (want_logprobs and out.new_logprobs)):
+                    continue  # text held back (a partial character, a possible stop string)
+                logprobs = {"content": self._chat_logprobs(out.new_logprobs or [])} if want_logprobs else None
+                yield chunk({"content": out.new_text} if out.new_text else {}, logprobs,
+                            out.finish_reason if out.finished else None)
+        except (EngineError, ServerBusy) as e:
+            yield _sse(_failure_body(e))
+            yield "data: [DONE]\n\n"
+            return
+        finally:
+            stream.abort()  # a no-op once finished; a client that left gets its request aborted here
+        if include_usage and last is not None:
+            yield _sse({**base, "choices": [], "usage": _usage(last)})
+        yield "data: [DONE]\n\n"
+
+    async def _completion_events(self, stream: RequestStream, request_id: str, created: int, include_usage: bool,
+                                 want_logprobs: bool) -> AsyncIterator[str]:
+        base = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
+        if include_usage:
+            base["usage"] = None
+        last, offset = None, 0
+        try:
+            async for out in stream:
+                last = out
+                if not (out.new_text or out.finished or (want_logprobs and out.new_logprobs)):
+                    continue
+                logprobs = None
+                if want_logprobs:
+                    logprobs = self._completion_logprobs(out.new_logprobs or [], offset)
+                offset += len(out.new_text)
+                yield _sse({**base, "choices": [{"index": 0, "text": out.new_text, "logprobs": logprobs,
+                                                 "finish_reason": out.finish_reason if out.finished else None}]})
+        except (EngineError, ServerBusy) as e:
+            yield _sse(_failure_body(e))
+            yield "data: [DONE]\n\n"
+            return
+        finally:
+            stream.abort()
+        if include_usage and last is not None:
+            yield _sse({**base, "choices": [], "usage": _usage(last)})
+        yield "data: [DONE]\n\n"
+
+    # ---- logprobs in OpenAI's two formats
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+    def _chat_logprobs(self, logprobs: list) -> list[dict]:
+        return [{**self._entry(lp.token_id, lp.logprob),
+                 "top_logprobs": [self._entry(t, v) for t, v in lp.top]} for lp in logprobs]
+
+    def _completion_logprobs(self, logprobs: list, offset: int) -> dict:
+        tokens, values, tops, offsets = [], [], [], []
+        for lp in logprobs:
+            text = self.token_text(lp.token_id)
+            tokens.append(text)
+            values.append(_finite(lp.logprob))
+            top = {self.token_text(t): _finite(v) for t, v in lp.top}
+            top.setdefault(text, _finite(lp.logprob))  # the sampled token is always listed, as vLLM does
+            tops.append(top)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
+    content = message.content
+    if content is None:
+        if message.role != "assistant":
+            raise ApiError(400, f"messages.{index}.content is missing (only an assistant message may omit it)",
+                           param=f"messages.{index}.content")
+        content = ""
+    elif isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError(400, f"messages.{index}.content.{j}: only text parts ({{\"type\": \"text\", \"text\": "
+                                    f"...}}) are supported, got type {part.get('type')!r}",
+                               param=f"messages.{index}.content.{j}")
+            texts.append(part["text"])
+        content = "\n".join(texts)  # vLLM's "string" content format joins text parts with newlines
+    # "developer" is OpenAI's newer name for the system role; chat templates know "system".
+    out = {"role": "system" if message.role == "developer" else message.role, "content": content}
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+async def _collect(stream: RequestStream) -> tuple[str, list[RequestOutput]] | Exception:
+    parts, outputs = [], []
+    try:
+        async for out in stream:
+            parts.append(out.new_text)
+            outputs.append(out)
+    except (EngineError, ServerBusy) as e:
+        return e
+    return "".join(parts), outputs
+
+
+async def _unless_disconnected(request: Request, work):
+    """Run `work`, unless the client disconnects first: then cancel it (its stream aborts the
+    request in the engine) and return None. uvicorn does not cancel a handler whose client
+    left, so a non-streamed request would otherwise run to the end for nobody."""
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        return None
+    return task.result()
+
+
+def _failure_body(e: Exception) -> dict:
+    if isinstance(e, ServerBusy):
+        return error_body(503, str(e), code=_busy_code(e))
+    return error_body(500, str(e), code="engine_error")
+
+
+def _failure_response(e: Exception) -> JSONResponse:
+    headers = {"Retry-After": str(e.retry_after_s)} if isinstance(e, ServerBusy) else None
+    return JSONResponse(_failure_body(e), status_code=503 if isinstance(e, ServerBusy) else 500, headers=headers)
+
+
+def _usage(out: RequestOutput) -> dict:
+    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
+            "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+
+
+def _finite(value: float) -> float:
+    return value if math.isfinite(value) else LOGPROB_FLOOR
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"

@@ -1,0 +1,195 @@
+"""The `duoka serve` process: engine, engine thread, HTTP app and uvicorn, and a clean exit.
+
+Lifecycle: the port is checked before the model loads (a taken port should not cost a
+model load); once uvicorn listens, one line says where and how much fits. SIGTERM or
+SIGINT drains: new requests get 503 + Retry-After, in-flight ones may finish for
+`grace_s` seconds, the rest are aborted with an error their clients can read; then
+uvicorn closes and the process exits 0. A second signal aborts what is still running
+at once.
+
+`serve()` takes an already-built engine (or a factory): for tensor parallelism the engine on
+rank 0 is the one that drives the other ranks, and whoever starts those ranks (the lead's
+launcher wiring) hands it over here; this module never starts processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from typing import Any, Callable
+
+import uvicorn
+
+from duoka.errors import DuokaError
+from duoka.parallel.ports import port_is_free
+from duoka.serve.api import build_app
+from duoka.serve.async_engine import AsyncEngine, Draining
+from duoka.serve.engine import LLMEngine
+from duoka.serve.metrics import ServeMetrics
+
+DEFAULT_HOST = "127.0.0.1"  # nothing outside this machine reaches the server unless --host says so
+DEFAULT_PORT = 8000  # vLLM's and the OpenAI clients' usual local port
+# `vllm bench serve` sends its 1,000 prompts at once by default; a waiting request costs
+# only its token ids, so the bound is there to shed a flood, not to protect memory.
+DEFAULT_MAX_QUEUE = 4096
+# Kubernetes' default terminationGracePeriodSeconds is 30 s; draining must end before it.
+DEFAULT_GRACE_S = 25.0
+# vLLM logs its stats line every 5 s.
+CONSOLE_INTERVAL_S = 5.0
+# Once drained, uvicorn only has finished responses to flush and idle connections to close.
+UVICORN_SHUTDOWN_S = 5.0
+API_KEY_ENV = "DUOKA_API_KEY"
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def serve(engine: Any | Callable[[], Any], *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
+          api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE, served_model_name: str | None = None,
+          grace_s: float = DEFAULT_GRACE_S, log=_log) -> int:
+    """Serve `engine` (an LLMEngine, or a no-argument callable that builds one) over HTTP until
+    SIGTERM/SIGINT; returns 0 after a drain. The engine is shut down on the way out."""
+    if not 0 < port < 65536:
+        raise DuokaError(f"--port {port} is not a TCP port", "use a port in 1..65535, e.g. --port 8000")
+    if not port_is_free(host, port):
+        raise DuokaError(f"{host}:{port} is already in use (another server?)",
+                         f"stop the other process, or pick another port: --port {port + 1}")
+    if max_queue < 1:
+        raise DuokaError(f"--max-queue {max_queue} must be at least 1", f"e.g. --max-queue {DEFAULT_MAX_QUEUE}")
+    if grace_s < 0:
+        raise DuokaError(f"the drain grace period {grace_s} s is negative", f"e.g. {DEFAULT_GRACE_S:g} s")
+    if callable(engine) and not hasattr(engine, "step"):
+        engine = engine()
+    try:
+        name = served_model_name or engine.model_name
+        async_engine = AsyncEngine(engine, max_queue, ServeMetrics(name), log=log)
+        try:
+            app = build_app(async_engine, engine.tokenizer, name, engine.max_model_len, engine.default_params,
+                            api_key=api_key)
+            config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                    lifespan="off", timeout_graceful_shutdown=UVICORN_SHUTDOWN_S)
+            stats = engine.stats()
+            kv_tokens = stats.kv_blocks * stats.block_size
+            ready = (f"serving {name} on http://{host}:{port} (KV cache: {kv_tokens:,} tokens, max concurrency "
+                     f"{kv_tokens / engine.max_model_len:.1f}x at {engine.max_model_len:,} tokens per request)")
+            asyncio.run(_serve(uvicorn.Server(config), async_engine, grace_s, ready, log))
+        finally:
+            async_engine.close()
+    finally:
+        shutdown = getattr(engine, "shutdown", None)  # the contract's LLMEngine.shutdown (TP: stops the workers)
+        if shutdown is not None:
+            shutdown()
+    return 0
+
+
+async def _serve(server: uvicorn.Server, async_engine: AsyncEngine, grace_s: float, ready: str, log) -> None:
+    loop = asyncio.get_running_loop()
+    serving = asyncio.ensure_future(server.serve())
+    while not server.started:
+        if serving.done():  # uvicorn gave up during start-up; it has logged why
+            await serving
+            raise DuokaError("the HTTP server did not start (see the message above)",
+                             "check --host and --port")
+        await asyncio.sleep(0.02)
+    # uvicorn's own handlers would close the connections at once; ours drain first. Installed
+    # after start-up, they replace uvicorn's for as long as the server runs.
+    signals: list[int] = []
+    stop = asyncio.Event()
+
+    def on_signal(sig: int) -> None:
+        signals.append(sig)
+        if len(signals) == 1:
+            stop.set()
+        else:
+            log("duoka serve: second signal: aborting the requests still running")
+            async_engine.abort_all(Draining("the server was stopped; the request was aborted"))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig)
+    log(ready)
+    console = asyncio.ensure_future(_console(async_engine.metrics, log))
+    try:
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({serving, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        if stop.is_set():
+            in_flight = async_engine.in_flight
+            log(f"duoka serve: {signal.Signals(signals[0]).name}: draining ({in_flight} request(s) in flight, "
+                f"up to {grace_s:g} s); a second signal aborts them")
+            await async_engine.drain(grace_s)
+            server.should_exit = True
+        await serving
+    finally:
+        console.cancel()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+    log("duoka serve: stopped")
+
+
+async def _console(metrics: ServeMetrics, log) -> None:
+    while True:
+        await asyncio.sleep(CONSOLE_INTERVAL_S)
+        line = metrics.console_line()
+        if line is not None:
+            log(line)
+
+
+# ---------------------------------------------------------------- command line
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="duoka serve", description="Serve a Qwen2 model over an OpenAI-compatible "
+                                "HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics).")
+    p.add_argument("model", nargs="?", default=None,
+                   help="model folder, hub id or a training run's hf/step-N (default: the bundled tiny model)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: one process per GPU")
+    p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}: this machine only)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of GPU memory for weights and KV cache (default 0.9)")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help=f"requests that may wait for admission before new ones get 503 (default {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else none)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--dtype", default="auto", help="auto = bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget of one step")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="fixed KV-cache size in blocks (for tests)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (GPU)")
+    p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
+                   help=f"seconds in-flight requests may finish after SIGTERM (default {DEFAULT_GRACE_S:g})")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        if a.tp != 1:
+            raise DuokaError(f"--tp {a.tp}: `python -m duoka.serve.server` runs one process",
+                             "use `duoka serve --tp N`, which starts one process per GPU")
+
+        def build() -> LLMEngine:
+            return LLMEngine(a.model, device=a.device, dtype=a.dtype, max_model_len=a.max_model_len,
+                             gpu_memory_utilization=a.gpu_memory_utilization, block_size=a.block_size,
+                             max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                             enable_prefix_caching=not a.no_prefix_caching, num_kv_blocks=a.num_kv_blocks,
+                             served_model_name=a.served_model_name, cuda_graphs=not a.enforce_eager)
+
+        return serve(build, host=a.host, port=a.port, api_key=a.api_key, max_queue=a.max_queue,
+                     served_model_name=a.served_model_name, grace_s=a.grace)
+    except DuokaError as e:
+        print(f"error: {e.cause}", file=sys.stderr)
+        if e.fix:
+            print(f"  fix: {e.fix}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

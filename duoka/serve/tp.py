@@ -1,0 +1,96 @@
+"""Tensor-parallel serving's control path: rank 0 runs the scheduler and, every step, sends
+the step's model inputs (StepInputs) to the other ranks, which run the same forward (their
+all-reduces meet rank 0's inside it) and wait for the next step.
+
+One step is two broadcasts over the group: a fixed-size int64 header (the command and every
+size and scalar of the step), then one int32 tensor holding the step's arrays back to back,
+whose length the header gives. On a gloo group the tensors stay on the host, so the other
+ranks get host StepInputs exactly like rank 0's prepare_inputs. That is the channel for GPUs
+too (step_group makes it; nano-vllm and vLLM also send steps through the host): over NCCL,
+rank 0 would first copy the step to its GPU, a copy from pageable memory that waits for the
+work already queued there, and the others would get device tensors. Sampling runs on rank 0
+only, so nothing of it travels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from duoka.serve.runner import StepInputs
+
+STEP, SHUTDOWN = 1, 2  # header[0]
+# The arrays in packing order with their dtypes (PagedBatch's); each length follows from
+# the header's T, B, max_blocks and S. They travel as int32, half the bytes of int64 (a
+# decode step of 256 sequences with 128-block tables is 33k values): every value is a token
+# id, a position, a length or a block or slot index, and no cache holds 2^31 token slots.
+TENSOR_FIELDS = (("token_ids", torch.int64), ("positions", torch.int64), ("slot_mapping", torch.int64),
+                 ("block_tables", torch.int32), ("context_lens", torch.int32), ("query_start", torch.int32),
+                 ("logits_indices", torch.int64))
+SCALAR_FIELDS = ("max_query_len", "num_decodes", "max_context_len", "prefill_context")
+# header: command, T, B, max_blocks, S, then SCALAR_FIELDS; the rest is spare room, so a new
+# scalar does not change the message's size.
+HEADER_LEN = 16
+
+
+def _lengths(t: int, b: int, max_blocks: int, s: int) -> list[int]:
+    return [t, t, t, b * max_blocks, b, b + 1, s]
+
+
+def _transport(group: dist.ProcessGroup | None) -> torch.device:
+    """NCCL moves device tensors only; gloo moves host tensors."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def step_group(model_group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
+    """The group the steps travel on, over the ranks of the model's tp group: that group
+    itself when it is gloo (CPU), else a new gloo group (on GPUs, so that the steps travel
+    as host tensors). It may create a group: every rank calls it, at the same point."""
+    group = model_group or dist.group.WORLD
+    if dist.get_backend(group) == "gloo":
+        return group
+    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
+
+
+def broadcast_step(inputs: StepInputs | None, group: dist.ProcessGroup | None) -> None:
+    """Rank 0 of the group: send one step's inputs to the other ranks (None: tell them to stop)."""
+    device = _transport(group)
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    if inputs is None:
+        header[0] = SHUTDOWN
+        dist.broadcast(header.to(device), group=group, group_src=0)
+        return
+    b, max_blocks = inputs.block_tables.shape
+    values = [STEP, inputs.token_ids.numel(), b, max_blocks, inputs.logits_indices.numel(),
+              *(getattr(inputs, name) for name in SCALAR_FIELDS)]
+    header[:len(values)] = torch.tensor(values)
+    payload = torch.cat([getattr(inputs, name).reshape(-1).to(torch.int32) for name, _ in TENSOR_FIELDS])
+    dist.broadcast(header.to(device), group=group, group_src=0)
+    dist.broadcast(payload.to(device), group=group, group_src=0)
+
+
+def receive_step(group: dist.ProcessGroup | None) -> StepInputs | None:
+    """The other ranks: the next step's inputs from rank 0 of the group, or None when it stops."""
+    device = _transport(group)
+    header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+    dist.broadcast(header, group=group, group_src=0)
+    command, t, b, max_blocks, s, *scalars = header[:5 + len(SCALAR_FIELDS)].tolist()
+    if command == SHUTDOWN:
+        return None
+    if command != STEP:
+        raise RuntimeError(f"tp worker received unknown command {command} from rank 0")
+    lengths = _lengths(t, b, max_blocks, s)
+    payload = torch.empty(sum(lengths), dtype=torch.int32, device=device)
+    dist.broadcast(payload, group=group, group_src=0)
+    arrays = {name: part.to(dtype) for (name, dtype), part in zip(TENSOR_FIELDS, payload.split(lengths))}
+    arrays["block_tables"] = arrays["block_tables"].view(b, max_blocks)
+    return StepInputs(**arrays, **dict(zip(SCALAR_FIELDS, scalars)))
+
+
+def worker_loop(runner, group: dist.ProcessGroup | None) -> None:
+    """A tp rank other than 0: run every step rank 0 sends, until it says stop.
+    runner.execute(inputs) runs the forward (its all-reduces pair with rank 0's)."""
+    while (inputs := receive_step(group)) is not None:
+        runner.execute(inputs)

@@ -1,0 +1,77 @@
+"""Serving tensor parallelism without processes: which sizes split a model (and the error
+that names the ones that do), which KV head each rank keeps, the checkpoint checks made
+before any slice is read, and the step message's coverage of StepInputs.
+tests/distributed/test_serve_tp.py runs the shards."""
+
+from dataclasses import fields
+
+import pytest
+import torch
+
+from duoka.errors import DuokaError
+from duoka.models.qwen2.args import FLAVORS
+from duoka.models.qwen2.hf_adapter import save_hf_checkpoint
+from duoka.models.qwen2.model import build_model, materialize
+from duoka.parallel.serve_tp import (
+    build_shard,
+    check_tp_size,
+    kv_head_range,
+    load_shard,
+    local_kv_heads,
+    shard_args,
+    valid_tp_sizes,
+)
+from duoka.serve.runner import StepInputs
+from duoka.serve.tp import HEADER_LEN, SCALAR_FIELDS, TENSOR_FIELDS
+
+
+def test_qwen2_1_5b_splits_over_4_with_replicated_kv_heads_but_not_over_5():
+    args = FLAVORS["qwen2-1.5b"]  # 12 heads, 2 KV heads, MLP 8960
+    check_tp_size(args, 4)
+    assert local_kv_heads(args, 4) == 1
+    # Query heads 0-2 and 3-5 read KV head 0, heads 6-8 and 9-11 KV head 1.
+    assert [kv_head_range(args, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    with pytest.raises(DuokaError) as e:
+        check_tp_size(args, 5)
+    assert "12 attention heads are not divisible by 5" in e.value.cause
+    assert e.value.fix.endswith(": 1, 2, 4")
+
+
+@pytest.mark.parametrize("flavor, sizes", [("qwen2-7b", [1, 2, 4]), ("qwen2-72b", [1, 2, 4, 8, 16, 32, 64]),
+                                           ("qwen2-0.5b", [1, 2])])
+def test_valid_sizes_of_published_shapes(flavor, sizes):
+    # 7B: 28 heads but 4 KV heads and an MLP of 18944 = 2^9 x 37, so neither 7 nor 8.
+    assert valid_tp_sizes(FLAVORS[flavor]) == sizes
+
+
+@pytest.mark.parametrize("tp, reason", [(0, "not a process count"), (3, "KV heads"), (8, "attention heads")])
+def test_refusals_name_the_reason(tp, reason):
+    with pytest.raises(DuokaError, match=reason):
+        check_tp_size(FLAVORS["qwen2-7b"], tp)
+
+
+def test_a_shard_is_a_model_of_the_shard_sizes():
+    args = FLAVORS["qwen2-7b"]
+    local = shard_args(args, 4)
+    assert (local.n_heads, local.n_kv_heads, local.intermediate_size) == (7, 1, 4736)
+    assert local.resolved_head_dim == args.resolved_head_dim == 128
+    assert [kv_head_range(args, 2, r) for r in range(2)] == [(0, 2), (2, 4)]
+
+
+def test_a_checkpoint_of_another_shape_is_refused_before_loading(tmp_path):
+    args = FLAVORS["debug"]
+    model = materialize(build_model(args), "cpu", torch.float32)
+    model.init_weights()
+    save_hf_checkpoint(model, tmp_path / "hf")
+    wider = args.replace(intermediate_size=512)
+    shard = build_shard(wider, 2, "cpu", torch.float32)
+    with pytest.raises(DuokaError, match=r"does not match its config.json:(.|\n)*mlp.gate_proj.weight: checkpoint "
+                                         r"\[384, 128\], model \[512, 128\]"):
+        load_shard(shard, tmp_path / "hf", wider, 2, 0)
+
+
+def test_every_step_input_travels_to_the_other_ranks():
+    """A field added to StepInputs must be added to the tp message too (or the workers
+    would run without it)."""
+    assert {f.name for f in fields(StepInputs)} == {name for name, _ in TENSOR_FIELDS} | set(SCALAR_FIELDS)
+    assert 5 + len(SCALAR_FIELDS) <= HEADER_LEN
