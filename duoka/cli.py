@@ -93,6 +93,61 @@ def _steady_rate(stamps: list[float]) -> str:
     return f", decode {(len(stamps) - 2) / (stamps[-1] - stamps[1]):.1f} tokens/s"
 
 
+# ---------------------------------------------------------------- serve
+
+SERVE_DEFAULT_PORT = 8000  # vLLM's and the OpenAI clients' usual local port
+SERVE_API_KEY_ENV = "DUOKA_API_KEY"
+
+
+def add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API, on one or several GPUs (--tp)",
+                       description="Serve a Qwen2 model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
+                                   "/v1/completions, /v1/models, /health, /metrics) with continuous batching and a "
+                                   "paged KV cache. SIGTERM or Ctrl-C drains: in-flight requests finish, then exit 0.")
+    p.add_argument("model", nargs="?", default=None,
+                   help="model folder, hub id or a training run's hf/step-N (default: the bundled tiny model)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: one process per GPU (default 1)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=SERVE_DEFAULT_PORT)
+    p.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${SERVE_API_KEY_ENV}, else none)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of GPU memory for weights and KV cache (default 0.9)")
+    p.add_argument("--max-queue", type=int, default=4096,
+                   help="requests that may wait for admission before new ones get 503 (default 4096)")
+    p.add_argument("--grace", type=float, default=25.0,
+                   help="seconds in-flight requests may finish after SIGTERM (default 25)")
+    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto = bfloat16 on GPU, float32 on CPU")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step (default 256)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="token budget of one step: prefill chunks beside the decodes (default 8192)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="a fixed KV-cache size in blocks (tests, tuning)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the blocks of shared prompt prefixes")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for the decode steps (GPU)")
+    p.set_defaults(func=run_serve)
+
+
+def run_serve(a: argparse.Namespace) -> int:
+    import os
+
+    from duoka.launcher import launch_serving
+
+    if a.tp < 1:
+        raise DuokaError(f"--tp {a.tp} must be at least 1", "give the number of GPUs to split the model over")
+    engine = dict(model=a.model, device=a.device, dtype=a.dtype, max_model_len=a.max_model_len,
+                  gpu_memory_utilization=a.gpu_memory_utilization, block_size=a.block_size,
+                  max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+                  enable_prefix_caching=not a.no_prefix_caching, num_kv_blocks=a.num_kv_blocks,
+                  served_model_name=a.served_model_name, cuda_graphs=not a.enforce_eager)
+    server = dict(host=a.host, port=a.port, api_key=a.api_key or os.environ.get(SERVE_API_KEY_ENV),
+                  max_queue=a.max_queue, served_model_name=a.served_model_name, grace_s=a.grace)
+    return launch_serving(engine, server, a.tp, log=log)
+
+
 # ---------------------------------------------------------------- train
 
 
@@ -412,6 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"duoka {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     add_generate_parser(sub)
+    add_serve_parser(sub)
     add_train_parser(sub)
     add_prepare_parser(sub)
     add_export_parser(sub)

@@ -40,6 +40,8 @@ from duoka.serve.sampling import Sampler, SampleRow
 from duoka.serve.scheduler import ScheduledBatch, Scheduler, SeqStatus, Sequence
 from duoka.serve.tp import broadcast_step, step_group, worker_loop
 
+BUNDLED_MODEL_NAME = "duoka-tiny-qwen2"  # what clients call the model served when none is named
+
 # Sampling defaults a model folder's generation_config.json may set (what vLLM takes from it).
 GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k")
 
@@ -93,7 +95,7 @@ class LLMEngine:
                              "leave them at their defaults (16, 256, 8192) unless you are tuning")
         folder = resolve_model_dir(model) if model is not None else bundled_model_dir()
         self.folder = folder
-        self.model_name = served_model_name or str(model or "duoka-tiny-qwen2")
+        self.model_name = served_model_name or str(model or BUNDLED_MODEL_NAME)
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise DuokaError("--device cuda was asked for but PyTorch sees no GPU",

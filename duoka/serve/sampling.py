@@ -19,10 +19,12 @@ tensor read with one `.tolist()`.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass
 
 import torch
 
+from duoka.models.compile import compiled
 from duoka.serve.params import SamplingParams, TokenLogprob
 
 _MASK64 = (1 << 64) - 1
@@ -81,6 +83,15 @@ def log_exponential_noise(keys: torch.Tensor, vocab_ids: torch.Tensor) -> torch.
     return v.neg_().log1p_().neg_().log_()  # E = -log(1 - v), fine-grained near 0 through log1p
 
 
+def _noise_fn(device: torch.device):
+    """On CUDA the ~20 element-wise passes over [S, V] fuse into one kernel (3.3 ms -> 0.2 ms
+    at 256 x 152k on an H200, bitwise equal to eager); on CPU inductor would need a C++
+    compiler for a cost that matters little there."""
+    if device.type == "cuda":
+        return compiled(log_exponential_noise, dynamic=True, fullgraph=True)
+    return log_exponential_noise
+
+
 @dataclass
 class SampleRow:
     params: SamplingParams
@@ -98,13 +109,16 @@ class SampleResult:
     logprobs: list[TokenLogprob | None]
 
 
-def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list on the device without a host sync: a plain torch.tensor(..., device=cuda)
-    copies from pageable memory and waits for the stream."""
-    t = torch.tensor(values, dtype=dtype)
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on the device without a host sync: a plain .to(cuda) copies from
+    pageable memory and waits for the stream."""
     if device.type != "cuda":
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
+
+
+def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return _to_device(torch.tensor(values, dtype=dtype), device)
 
 
 class Sampler:
@@ -169,12 +183,21 @@ class Sampler:
         times the token occurs in this request's output so far."""
         S, V = logits.shape
         device = logits.device
-        ids = [r.output_ids if r.params.has_penalties else [] for r in rows]
-        width = max(1, max(len(i) for i in ids))
-        # Padding points at an extra column V, dropped after the scatter.
-        padded = _upload([i + [V] * (width - len(i)) for i in ids], torch.int64, device)
-        counts = torch.zeros(S, V + 1, device=device).scatter_add_(1, padded, torch.ones(padded.shape, device=device))
-        counts = counts[:, :V]
+        # The ids go up flat (array.extend and frombuffer: ~20x faster than torch.tensor of
+        # nested lists), each row's count of them alongside; rows without penalties send none.
+        ids = array("q")
+        lengths = []
+        for r in rows:
+            n = len(r.output_ids) if r.params.has_penalties else 0
+            ids.extend(r.output_ids if n else ())
+            lengths.append(n)
+        if not ids:
+            return logits
+        flat = _to_device(torch.frombuffer(ids, dtype=torch.int64), device)
+        # output_size spares repeat_interleave the host sync that would size its output.
+        row = torch.arange(S, device=device).repeat_interleave(_upload(lengths, torch.int64, device), output_size=len(ids))
+        counts = torch.zeros(S, V, device=device)
+        counts.view(-1).index_add_(0, row.mul_(V).add_(flat), torch.ones(len(ids), device=device))
         coefs = _upload([[r.params.presence_penalty, r.params.frequency_penalty] for r in rows], torch.float32, device)
         penalised = logits - coefs[:, 1:] * counts
         return penalised.sub_(coefs[:, :1] * (counts > 0))
@@ -195,7 +218,7 @@ class Sampler:
         scaled = logits.sub(logits.amax(dim=-1, keepdim=True))
         scaled.div_(temps.clamp_min(torch.finfo(torch.float32).tiny)[:, None])
         if all(k == V for k in top_k) and all(p == float("inf") for p in top_p):
-            return log_exponential_noise(keys, self._vocab_ids(V, device)).neg_().add_(scaled).argmax(dim=-1)
+            return _noise_fn(device)(keys, self._vocab_ids(V, device)).neg_().add_(scaled).argmax(dim=-1)
 
         # One descending sort serves every row's k and p: top-k masks ranks >= k, top-p then
         # keeps the smallest prefix whose mass reaches p (the most likely token always stays).
@@ -211,5 +234,5 @@ class Sampler:
             del probs
             sorted_logits.masked_fill_(mass_before >= ps, float("-inf"))
             del mass_before
-        winner = log_exponential_noise(keys, order).neg_().add_(sorted_logits).argmax(dim=-1, keepdim=True)
+        winner = _noise_fn(device)(keys, order).neg_().add_(sorted_logits).argmax(dim=-1, keepdim=True)
         return order.gather(1, winner)[:, 0]

@@ -14,9 +14,7 @@ launcher wiring) hands it over here; this module never starts processes.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
 import signal
 import sys
 from typing import Any, Callable
@@ -27,7 +25,6 @@ from duoka.errors import DuokaError
 from duoka.parallel.ports import port_is_free
 from duoka.serve.api import build_app
 from duoka.serve.async_engine import AsyncEngine, Draining
-from duoka.serve.engine import LLMEngine
 from duoka.serve.metrics import ServeMetrics
 
 DEFAULT_HOST = "127.0.0.1"  # nothing outside this machine reaches the server unless --host says so
@@ -41,7 +38,6 @@ DEFAULT_GRACE_S = 25.0
 CONSOLE_INTERVAL_S = 5.0
 # Once drained, uvicorn only has finished responses to flush and idle connections to close.
 UVICORN_SHUTDOWN_S = 5.0
-API_KEY_ENV = "DUOKA_API_KEY"
 
 
 def _log(message: str) -> None:
@@ -136,60 +132,3 @@ async def _console(metrics: ServeMetrics, log) -> None:
         line = metrics.console_line()
         if line is not None:
             log(line)
-
-
-# ---------------------------------------------------------------- command line
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="duoka serve", description="Serve a Qwen2 model over an OpenAI-compatible "
-                                "HTTP API (/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics).")
-    p.add_argument("model", nargs="?", default=None,
-                   help="model folder, hub id or a training run's hf/step-N (default: the bundled tiny model)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: one process per GPU")
-    p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST}: this machine only)")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="share of GPU memory for weights and KV cache (default 0.9)")
-    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
-                   help=f"requests that may wait for admission before new ones get 503 (default {DEFAULT_MAX_QUEUE})")
-    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV),
-                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${API_KEY_ENV}, else none)")
-    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--dtype", default="auto", help="auto = bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one batch")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="token budget of one step")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="fixed KV-cache size in blocks (for tests)")
-    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps (GPU)")
-    p.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
-                   help=f"seconds in-flight requests may finish after SIGTERM (default {DEFAULT_GRACE_S:g})")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    a = build_parser().parse_args(argv)
-    try:
-        if a.tp != 1:
-            raise DuokaError(f"--tp {a.tp}: `python -m duoka.serve.server` runs one process",
-                             "use `duoka serve --tp N`, which starts one process per GPU")
-
-        def build() -> LLMEngine:
-            return LLMEngine(a.model, device=a.device, dtype=a.dtype, max_model_len=a.max_model_len,
-                             gpu_memory_utilization=a.gpu_memory_utilization, block_size=a.block_size,
-                             max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                             enable_prefix_caching=not a.no_prefix_caching, num_kv_blocks=a.num_kv_blocks,
-                             served_model_name=a.served_model_name, cuda_graphs=not a.enforce_eager)
-
-        return serve(build, host=a.host, port=a.port, api_key=a.api_key, max_queue=a.max_queue,
-                     served_model_name=a.served_model_name, grace_s=a.grace)
-    except DuokaError as e:
-        print(f"error: {e.cause}", file=sys.stderr)
-        if e.fix:
-            print(f"  fix: {e.fix}", file=sys.stderr)
-        return 2
-
-
-if __name__ == "__main__":
-    sys.exit(main())

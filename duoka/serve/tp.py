@@ -14,6 +14,8 @@ only, so nothing of it travels.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -31,6 +33,8 @@ SCALAR_FIELDS = ("max_query_len", "num_decodes", "max_context_len", "prefill_con
 # header: command, T, B, max_blocks, S, then SCALAR_FIELDS; the rest is spare room, so a new
 # scalar does not change the message's size.
 HEADER_LEN = 16
+# A server may sit idle for weeks; its other ranks wait for the next step all that time.
+IDLE_TIMEOUT = timedelta(days=365)
 
 
 def _lengths(t: int, b: int, max_blocks: int, s: int) -> list[int]:
@@ -45,13 +49,12 @@ def _transport(group: dist.ProcessGroup | None) -> torch.device:
 
 
 def step_group(model_group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
-    """The group the steps travel on, over the ranks of the model's tp group: that group
-    itself when it is gloo (CPU), else a new gloo group (on GPUs, so that the steps travel
-    as host tensors). It may create a group: every rank calls it, at the same point."""
+    """The group the steps travel on: a gloo group over the ranks of the model's tp group (on
+    GPUs too, so that the steps travel as host tensors), of its own because the other ranks
+    wait on it for as long as the server is idle: its timeout is IDLE_TIMEOUT, not the model
+    group's, which keeps catching a stuck collective. Every rank calls it, at the same point."""
     group = model_group or dist.group.WORLD
-    if dist.get_backend(group) == "gloo":
-        return group
-    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo")
+    return dist.new_group(dist.get_process_group_ranks(group), backend="gloo", timeout=IDLE_TIMEOUT)
 
 
 def broadcast_step(inputs: StepInputs | None, group: dist.ProcessGroup | None) -> None:

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import multiprocessing
 import os
-import select
 import signal
 import threading
 import time
@@ -23,8 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from duoka import runtime
 from duoka.errors import DuokaError
+from duoka.parallel.lifetime import die_with_launcher, leave_after_return
 from duoka.train.checkpoint import find_resume_checkpoint, read_train_state
 from duoka.train.spec import RunSpec, error_report_path, write_error_report
 from duoka.train.trainer import Trainer
@@ -37,10 +35,6 @@ LOST_PEER_DELAY_S = 1.0
 # What gloo and NCCL say when a peer's process is gone (a RuntimeError, not DistError).
 _LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
               "communicator was aborted")
-# A worker that returned waits for its agent to release it, which an agent that is itself
-# stopping (SIGTERM) never does. The return value is in the agent's pipe once handed over, so
-# the worker leaves on its own after this long.
-RELEASE_WAIT_S = 0.5
 
 
 class StopRequest:
@@ -80,27 +74,6 @@ class StopRequest:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-
-
-def die_with_launcher() -> None:
-    """End this worker as soon as its launcher ends, however it ends (kill -9, the OOM killer).
-    The worker server outlives the launcher while any worker holds its pipe, so the kernel's
-    parent-death signal cannot reach the workers through it: each worker watches the launcher
-    itself through a pidfd (the kernel's handle on that one process, so a reused pid is never
-    mistaken for it) on a thread that only waits. Should the server die first, the launcher can
-    no longer see this worker exit: the worker goes too (SIGKILL; torch's SIGINT would now ask
-    for a save)."""
-    runtime.set_parent_death_signal(signal.SIGKILL)
-    try:
-        handle = os.pidfd_open(multiprocessing.parent_process().pid)
-    except ProcessLookupError:  # already gone
-        runtime.hard_exit(1)
-    threading.Thread(target=_end_with, args=(handle,), name="duoka-launcher-watch", daemon=True).start()
-
-
-def _end_with(handle: int) -> None:
-    select.select([handle], [], [])  # readable once the process has exited
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def init_distributed(reliability) -> torch.device:
@@ -192,9 +165,7 @@ def worker_main(spec: RunSpec) -> int | None:
         if dist.is_initialized():
             dist.destroy_process_group()
     if under_agent:
-        leave = threading.Timer(RELEASE_WAIT_S, runtime.hard_exit, args=(0,))
-        leave.daemon = True
-        leave.start()
+        leave_after_return()
     return stop.signal
 
 

@@ -67,7 +67,7 @@ class Server:
 def server(tmp_path_factory):
     port = free_port()
     log = tmp_path_factory.mktemp("serve") / "server.log"
-    cmd = [sys.executable, "-m", "duoka.serve.server", "--device", "cpu", "--port", str(port),
+    cmd = [sys.executable, "-m", "duoka.cli", "serve", "--device", "cpu", "--port", str(port),
            "--max-model-len", str(MAX_MODEL_LEN), "--num-kv-blocks", str(NUM_KV_BLOCKS), "--api-key", KEY,
            "--served-model-name", MODEL, "--grace", "20"]
     with open(log, "w") as err:

@@ -205,7 +205,7 @@ def test_cuda_matches_cpu_with_one_host_sync():
             gpu = sampler.sample(gpu_logits, rows)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    syncs = [w for w in caught if "called a synchronizing" in str(w.message)]
     assert len(syncs) == 1, [str(w.message) for w in syncs]
     assert gpu.token_ids == cpu.token_ids
     for a, b in zip(gpu.logprobs, cpu.logprobs):
