@@ -9,7 +9,9 @@
    tokenizer; the engine's greedy tokens with CUDA graphs against without them (the same
    kernels: they must agree), and batched against one request at a time (bf16 matmuls of
    another shape may round differently: reported, not asserted).
-3. Throughput for information: 256 requests of 128-1,024 random prompt tokens and 256
+3. The tensor-parallel path on one GPU: a one-rank NCCL group with the all-reduce hooks on
+   (they run inside the captured CUDA graphs), against the plain forward's logits.
+4. Throughput for information: 256 requests of 128-1,024 random prompt tokens and 256
    output tokens (the serving peer's workload), and batch-1 decode.
 """
 
@@ -88,6 +90,54 @@ def kernel_check(heads: int, kv_heads: int, head_dim: int, splits: int, seed: in
     return (outs[0] - outs[1]).abs().max().item()
 
 
+def tp_graph_check(folder: Path) -> dict:
+    """A one-rank NCCL group, the model loaded through the tensor-parallel loader with its
+    all-reduce hooks on, decode steps replayed from CUDA graphs: logits against a plain forward."""
+    import os
+
+    import torch.distributed as dist
+
+    from duoka.models.qwen2.hf_adapter import read_config
+    from duoka.parallel.ports import free_port
+    from duoka.parallel.serve_tp import all_reduce_outputs, load_tp_model
+    from duoka.serve.runner import CacheShape, ModelRunner, StepInputs
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    device = torch.device("cuda", 0)
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    args = read_config(folder)
+    model = load_tp_model(folder, args, None, device, torch.bfloat16)
+    hooks = all_reduce_outputs(model, None)
+    shape = CacheShape(args.n_layers, 64, 16, args.n_kv_heads, args.resolved_head_dim, torch.bfloat16)
+    runner = ModelRunner(model, shape, device, 256, max_num_seqs=8, cuda_graphs=True)
+    b, n = 3, 20
+    tok = torch.randint(0, args.vocab_size, (b, n + 1), generator=torch.Generator().manual_seed(0))
+    tables = torch.arange(b * 2, dtype=torch.int32).view(b, 2)
+
+    def slot(i, p):
+        return int(tables[i, p // 16]) * 16 + p % 16
+
+    prefill = StepInputs(tok[:, :n].reshape(-1), torch.arange(n).repeat(b),
+                         torch.tensor([slot(i, p) for i in range(b) for p in range(n)]), tables,
+                         torch.full((b,), n, dtype=torch.int32), torch.arange(0, b * n + 1, n, dtype=torch.int32),
+                         torch.arange(n - 1, b * n, n), n, 0, n, b * n)
+    decode = StepInputs(tok[:, n], torch.full((b,), n), torch.tensor([slot(i, n) for i in range(b)]), tables,
+                        torch.full((b,), n + 1, dtype=torch.int32), torch.arange(b + 1, dtype=torch.int32),
+                        torch.arange(b), 1, b, n + 1, 0)
+    runner.execute(prefill)
+    got = runner.execute(decode).clone()
+    for h in hooks:
+        h.remove()
+    with torch.no_grad():
+        want = torch.stack([model(tok[i:i + 1].to(device))[0, -1] for i in range(b)]).float()
+    dist.destroy_process_group()
+    result = dict(graphs=sorted(runner.graphs), max_abs_logit_diff=(got - want).abs().max().item(),
+                  logit_scale=want.abs().max().item(), argmax_equal=bool((got.argmax(-1) == want.argmax(-1)).all()))
+    del runner, model
+    torch.cuda.empty_cache()
+    return result
+
+
 def make_folder(shape: str, root: Path) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -137,6 +187,9 @@ def main() -> None:
     save()
 
     folder = make_folder(a.shape, Path(a.root))
+    results["tp_graph_check"] = tp_graph_check(folder)
+    print(json.dumps(results["tp_graph_check"]), flush=True)
+    save()
     vocab = SHAPES[a.shape]["vocab_size"]
     prompts = workload(16, vocab, 16, 200, seed=1)
     greedy = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
