@@ -4,45 +4,42 @@
 
 1. The cuda attention backend (Triton decode kernel, flash varlen prefill) against the
    reference kernel on random paged batches of mixed decodes and prefill chunks, bf16,
-   for the 7B and 0.5B head layouts and several context splits.
-2. A random Qwen2 of the given shape (transformers, bf16, seed 0) saved with the bundled
-   tokenizer; the engine's greedy tokens with CUDA graphs against without them (the same
-   kernels: they must agree), and batched against one request at a time (bf16 matmuls of
-   another shape may round differently: reported, not asserted).
-3. The tensor-parallel path on one GPU: a one-rank NCCL group with the all-reduce hooks on
-   (they run inside the captured CUDA graphs), against the plain forward's logits.
-4. Throughput for information: 256 requests of 128-1,024 random prompt tokens and 256
-   output tokens (the serving peer's workload), and batch-1 decode.
+   for the 7B, 1.5B and 0.5B head layouts and several context splits.
+2. Teacher-forced logits of a random Qwen2 of the given shape (bf16): a prefill of B
+   prompts, then decode steps of given tokens, run by the ModelRunner as the engine runs
+   them (uncompiled eager; compiled blocks eager; compiled blocks + CUDA graphs; the
+   tensor-parallel loader with its NCCL all-reduce hooks inside the graphs, one rank),
+   against the plain forward over the whole sequences. Random weights give near-uniform
+   logits, so greedy tokens would flip on bf16 rounding: logits are compared instead.
+3. For information: the serving peer's workload (256 requests) and batch-1 decode.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
-import shutil
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from duoka.hub import bundled_model_dir  # noqa: E402
-from duoka.models.paged_decode import num_splits  # noqa: E402
+from serve_models import SHAPES, make_folder, peer_workload  # noqa: E402
+
+from duoka.models.qwen2.args import ModelOptions  # noqa: E402
+from duoka.models.qwen2.hf_adapter import read_config  # noqa: E402
 from duoka.models.qwen2.paged import PagedBatch, paged_attention  # noqa: E402
+from duoka.parallel.ports import free_port  # noqa: E402
+from duoka.parallel.serve_tp import all_reduce_outputs, load_tp_model  # noqa: E402
 from duoka.serve.engine import LLM  # noqa: E402
 from duoka.serve.params import SamplingParams  # noqa: E402
-
-SHAPES = {
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
-    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                 intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
-    "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-               intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
-}
+from duoka.serve.runner import CacheShape, ModelRunner, StepInputs  # noqa: E402
 
 
 def kernel_check(heads: int, kv_heads: int, head_dim: int, splits: int, seed: int) -> float:
@@ -86,90 +83,71 @@ def kernel_check(heads: int, kv_heads: int, head_dim: int, splits: int, seed: in
         batch = PagedBatch([k_cache.clone()], [v_cache.clone()], backend=backend, num_decodes=len(decodes),
                            decode_splits=splits, prefill_context=sum(context[len(decodes):]),
                            max_context_len=max(context), **common)
-        outs.append(paged_attention(q, k, v, batch, 0).float())
+        outs.append(paged_attention(q, k, v, batch).float())
     return (outs[0] - outs[1]).abs().max().item()
 
 
-def tp_graph_check(folder: Path) -> dict:
-    """A one-rank NCCL group, the model loaded through the tensor-parallel loader with its
-    all-reduce hooks on, decode steps replayed from CUDA graphs: logits against a plain forward."""
-    import os
-
-    import torch.distributed as dist
-
-    from duoka.models.qwen2.hf_adapter import read_config
-    from duoka.parallel.ports import free_port
-    from duoka.parallel.serve_tp import all_reduce_outputs, load_tp_model
-    from duoka.serve.runner import CacheShape, ModelRunner, StepInputs
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    device = torch.device("cuda", 0)
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+def forced_logits(folder: Path, options: ModelOptions, cuda_graphs: bool, tp_hooks: bool,
+                  tokens: torch.Tensor, prompt_len: int) -> torch.Tensor:
+    """[B, steps + 1, vocab] logits: after the prompt, then after each forced token."""
     args = read_config(folder)
-    model = load_tp_model(folder, args, None, device, torch.bfloat16)
-    hooks = all_reduce_outputs(model, None)
-    shape = CacheShape(args.n_layers, 64, 16, args.n_kv_heads, args.resolved_head_dim, torch.bfloat16)
-    runner = ModelRunner(model, shape, device, 256, max_num_seqs=8, cuda_graphs=True)
-    b, n = 3, 20
-    tok = torch.randint(0, args.vocab_size, (b, n + 1), generator=torch.Generator().manual_seed(0))
-    tables = torch.arange(b * 2, dtype=torch.int32).view(b, 2)
+    device = torch.device("cuda", 0)
+    model = load_tp_model(folder, args, None, device, torch.bfloat16, options)
+    hooks = all_reduce_outputs(model, None) if tp_hooks else []
+    b, total = tokens.shape
+    per_seq = -(-total // 16)
+    shape = CacheShape(args.n_layers, b * per_seq, 16, args.n_kv_heads, args.resolved_head_dim, torch.bfloat16)
+    runner = ModelRunner(model, shape, device, per_seq * 16, max_num_seqs=8, cuda_graphs=cuda_graphs)
+    tables = torch.arange(b * per_seq, dtype=torch.int32).view(b, per_seq)
 
     def slot(i, p):
         return int(tables[i, p // 16]) * 16 + p % 16
 
-    prefill = StepInputs(tok[:, :n].reshape(-1), torch.arange(n).repeat(b),
-                         torch.tensor([slot(i, p) for i in range(b) for p in range(n)]), tables,
-                         torch.full((b,), n, dtype=torch.int32), torch.arange(0, b * n + 1, n, dtype=torch.int32),
-                         torch.arange(n - 1, b * n, n), n, 0, n, b * n)
-    decode = StepInputs(tok[:, n], torch.full((b,), n), torch.tensor([slot(i, n) for i in range(b)]), tables,
-                        torch.full((b,), n + 1, dtype=torch.int32), torch.arange(b + 1, dtype=torch.int32),
-                        torch.arange(b), 1, b, n + 1, 0)
-    runner.execute(prefill)
-    got = runner.execute(decode).clone()
+    n = prompt_len
+    out = [runner.execute(StepInputs(
+        tokens[:, :n].reshape(-1), torch.arange(n).repeat(b),
+        torch.tensor([slot(i, p) for i in range(b) for p in range(n)]), tables, torch.full((b,), n, dtype=torch.int32),
+        torch.arange(0, b * n + 1, n, dtype=torch.int32), torch.arange(n - 1, b * n, n), n, 0, n, b * n)).clone()]
+    for p in range(n, total - 1):
+        out.append(runner.execute(StepInputs(
+            tokens[:, p], torch.full((b,), p), torch.tensor([slot(i, p) for i in range(b)]), tables,
+            torch.full((b,), p + 1, dtype=torch.int32), torch.arange(b + 1, dtype=torch.int32), torch.arange(b),
+            1, b, p + 1, 0)).clone())
     for h in hooks:
         h.remove()
-    with torch.no_grad():
-        want = torch.stack([model(tok[i:i + 1].to(device))[0, -1] for i in range(b)]).float()
-    dist.destroy_process_group()
-    result = dict(graphs=sorted(runner.graphs), max_abs_logit_diff=(got - want).abs().max().item(),
-                  logit_scale=want.abs().max().item(), argmax_equal=bool((got.argmax(-1) == want.argmax(-1)).all()))
     del runner, model
     torch.cuda.empty_cache()
-    return result
+    return torch.stack(out, dim=1).float()
 
 
-def make_folder(shape: str, root: Path) -> Path:
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    folder = root / f"qwen2-{shape}-random-peaked"
-    if (folder / "config.json").is_file():
-        return folder
-    # initializer_range 0.2 (10x the usual): a random model's logits are then far apart, so
-    # greedy tokens compare kernels and batch shapes without near-ties flipping on bf16 rounding.
-    cfg = Qwen2Config(**SHAPES[shape], rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=32768,
-                      bos_token_id=None, eos_token_id=None, pad_token_id=0, initializer_range=0.2)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
-    model.save_pretrained(folder)
+def logits_check(folder: Path) -> dict:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    args = read_config(folder)
+    b, prompt_len, steps = 3, 40, 24
+    tokens = torch.randint(1, args.vocab_size, (b, prompt_len + steps), generator=torch.Generator().manual_seed(0))
+    model = load_tp_model(folder, args, None, torch.device("cuda", 0), torch.bfloat16)
+    with torch.no_grad():
+        plain = model(tokens.cuda())[:, prompt_len - 1:-1].float()
     del model
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(bundled_model_dir() / name, folder / name)
     torch.cuda.empty_cache()
-    return folder
-
-
-def workload(n: int, vocab: int, lo=128, hi=1024, seed=0) -> list[list[int]]:
-    rng = random.Random(seed)
-    lens = [rng.randint(lo, hi) for _ in range(n)]
-    return [[rng.randrange(1, vocab) for _ in range(k)] for k in lens]
+    configs = {"eager": (ModelOptions(), False, False),
+               "compiled": (ModelOptions(compile="block"), False, False),
+               "compiled+graphs": (ModelOptions(compile="block"), True, False),
+               "compiled+graphs+tp_hooks": (ModelOptions(compile="block"), True, True)}
+    result = {"logit_scale": plain.abs().max().item()}
+    for name, (options, graphs, hooks) in configs.items():
+        got = forced_logits(folder, options, graphs, hooks, tokens, prompt_len)
+        result[name] = dict(max_abs_diff=(got - plain).abs().max().item(),
+                            argmax_agreement=(got.argmax(-1) == plain.argmax(-1)).float().mean().item())
+    dist.destroy_process_group()
+    return result
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--shape", default="0.5b", choices=sorted(SHAPES))
-    ap.add_argument("--root", default="/tmp/duoka-models")
     ap.add_argument("--requests", type=int, default=256)
     a = ap.parse_args()
     results: dict = {"shape": a.shape, "torch": torch.__version__, "gpu": torch.cuda.get_device_name()}
@@ -186,35 +164,21 @@ def main() -> None:
     print(json.dumps(errors), flush=True)
     save()
 
-    folder = make_folder(a.shape, Path(a.root))
-    results["tp_graph_check"] = tp_graph_check(folder)
-    print(json.dumps(results["tp_graph_check"]), flush=True)
-    save()
-    vocab = SHAPES[a.shape]["vocab_size"]
-    prompts = workload(16, vocab, 16, 200, seed=1)
-    greedy = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-    t = time.perf_counter()
-    eager = LLM(folder, cuda_graphs=False, max_num_seqs=64)
-    eager_ids = [c.token_ids for c in eager.generate(prompts, greedy)]
-    del eager
-    torch.cuda.empty_cache()
-    t = time.perf_counter()
-    graphs = LLM(folder, max_num_seqs=256)
-    results["start_with_graphs_s"] = time.perf_counter() - t
-    graph_ids = [c.token_ids for c in graphs.generate(prompts, greedy)]
-    results["graphs_equal_eager"] = graph_ids == eager_ids
-    solo_ids = [graphs.generate([p], greedy)[0].token_ids for p in prompts]
-    results["batched_equal_solo_fraction"] = sum(x == y for x, y in zip(solo_ids, graph_ids)) / len(prompts)
-    print(json.dumps({k: results[k] for k in ("graphs_equal_eager", "batched_equal_solo_fraction")}), flush=True)
+    folder = make_folder(a.shape)
+    results["teacher_forced_logits_vs_plain_forward"] = logits_check(folder)
+    print(json.dumps(results["teacher_forced_logits_vs_plain_forward"]), flush=True)
     save()
 
-    # Throughput (information only; issue 24 measures against the peer in the same call).
-    load = workload(a.requests, vocab)
+    vocab = SHAPES[a.shape]["vocab_size"]
+    t = time.perf_counter()
+    llm = LLM(folder, max_num_seqs=256, max_model_len=4096)
+    results["engine_start_s"] = time.perf_counter() - t
+    load = peer_workload(a.requests, vocab=vocab)
     params = SamplingParams(max_tokens=256, temperature=0, ignore_eos=True)
-    graphs.generate(load[:8], params)
+    llm.generate(load[:8], params)
     torch.cuda.synchronize()
     t = time.perf_counter()
-    done = graphs.generate(load, params)
+    done = llm.generate(load, params)
     wall = time.perf_counter() - t
     prompt_tokens, output_tokens = sum(map(len, load)), sum(len(c.token_ids) for c in done)
     results["workload"] = dict(requests=a.requests, prompt_tokens=prompt_tokens, output_tokens=output_tokens,
@@ -223,14 +187,13 @@ def main() -> None:
     print(json.dumps(results["workload"]), flush=True)
     save()
 
-    engine = graphs.engine
+    engine = llm.engine
     engine.add_request("b1", load[0][:128], SamplingParams(max_tokens=256, temperature=0, ignore_eos=True))
     stamps = []
     while engine.has_unfinished():
-        for o in engine.step():
-            stamps.append(time.perf_counter())
+        engine.step()
+        stamps.append(time.perf_counter())
     results["batch1_decode_tokens_per_s"] = (len(stamps) - 2) / (stamps[-1] - stamps[1])
-    results["batch1_splits"] = num_splits(1, SHAPES[a.shape]["num_key_value_heads"], 32768)
     print(json.dumps({"batch1_decode_tokens_per_s": results["batch1_decode_tokens_per_s"]}), flush=True)
     save()
 

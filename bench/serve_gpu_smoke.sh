@@ -6,7 +6,7 @@ set -uo pipefail
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -1
 python3 -m pip install -q --no-index --find-links .wheels fastapi uvicorn openai 2>&1 | tail -1
 python3 bench/serve_gpu_check.py --out "$OUT/serve_gpu_check.json" --shape 0.5b 2>&1 | grep -v "Writing model"
-MODEL=/tmp/duoka-models/qwen2-0.5b-random-peaked
+MODEL=/tmp/duoka-models/qwen2-0.5b-random
 duoka generate --model $MODEL --prompt "hello" --max-new-tokens 200 > /dev/null 2> "$OUT/generate.log"; tail -2 "$OUT/generate.log"
 duoka serve $MODEL --port 8321 --max-model-len 4096 > "$OUT/serve.log" 2>&1 &
 for _ in $(seq 120); do grep -q "serving " "$OUT/serve.log" && break; sleep 1; done

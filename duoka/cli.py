@@ -44,7 +44,7 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto = bfloat16 on GPU, float32 on CPU")
     p.add_argument("--enforce-eager", action="store_true",
-                   help="no CUDA graphs for the decode steps (GPU; slower, starts faster)")
+                   help="no compiled blocks and no CUDA graphs (GPU; slower, starts faster)")
     p.set_defaults(func=run_generate)
 
 
@@ -63,7 +63,7 @@ def run_generate(a: argparse.Namespace) -> int:
         prompt = DEFAULT_PROMPT
 
     engine = LLMEngine(a.model, device=a.device, dtype=a.dtype, max_num_seqs=1, cuda_graphs=not a.enforce_eager,
-                       log=log)
+                       compile=False if a.enforce_eager else None, log=log)
     if a.chat:
         messages = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": prompt}]
         ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -127,7 +127,8 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
     p.add_argument("--num-kv-blocks", type=int, default=None, help="a fixed KV-cache size in blocks (tests, tuning)")
     p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the blocks of shared prompt prefixes")
-    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for the decode steps (GPU)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no compiled blocks and no CUDA graphs (GPU; slower, starts faster)")
     p.set_defaults(func=run_serve)
 
 
@@ -142,7 +143,8 @@ def run_serve(a: argparse.Namespace) -> int:
                   gpu_memory_utilization=a.gpu_memory_utilization, block_size=a.block_size,
                   max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                   enable_prefix_caching=not a.no_prefix_caching, num_kv_blocks=a.num_kv_blocks,
-                  served_model_name=a.served_model_name, cuda_graphs=not a.enforce_eager)
+                  served_model_name=a.served_model_name, cuda_graphs=not a.enforce_eager,
+                  compile=False if a.enforce_eager else None)
     server = dict(host=a.host, port=a.port, api_key=a.api_key or os.environ.get(SERVE_API_KEY_ENV),
                   max_queue=a.max_queue, served_model_name=a.served_model_name, grace_s=a.grace)
     return launch_serving(engine, server, a.tp, log=log)

@@ -48,12 +48,15 @@ if triton is not None:
                        stride_qb, stride_qh, stride_kb, stride_kp, stride_kh, stride_bt,
                        stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
                        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                       BLOCK: tl.constexpr, SPLITS: tl.constexpr):
+                       BLOCK: tl.constexpr):
+        # The number of splits is the grid's third dimension, not a compile-time constant:
+        # steps of every batch size share one compiled kernel.
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
+        splits = tl.num_programs(2)
         ctx = tl.load(CL + b)
-        per_split = tl.cdiv(tl.cdiv(ctx, SPLITS), BLOCK) * BLOCK
+        per_split = tl.cdiv(tl.cdiv(ctx, splits), BLOCK) * BLOCK
         start = split * per_split
         end = tl.minimum(start + per_split, ctx)
 
@@ -104,7 +107,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), D=head_dim, PAGE=page, BLOCK=BLOCK_N,
-        SPLITS=splits,
     )
     if splits == 1:
         return out[:, :, 0].to(q.dtype)

@@ -158,4 +158,4 @@ def load_tp_model(folder: Path, args: ModelArgs, group: dist.ProcessGroup | None
     load_shard(model, folder, args, tp, rank)
     if tp > 1:
         all_reduce_outputs(model, group)
-    return model.eval()
+    return model.eval().requires_grad_(False)

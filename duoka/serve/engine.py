@@ -21,6 +21,7 @@ import torch.distributed as dist
 from duoka.data.tokenizer import Tokenizer, load_tokenizer
 from duoka.errors import DuokaError
 from duoka.hub import bundled_model_dir, resolve_model_dir
+from duoka.models.qwen2.args import ModelOptions
 from duoka.models.qwen2.hf_adapter import load_hf_model, read_config
 from duoka.parallel.devices import compute_dtype_name
 from duoka.parallel.serve_tp import check_tp_size, load_tp_model, local_kv_heads
@@ -85,7 +86,7 @@ class LLMEngine:
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.9, block_size: int = 16,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, enable_prefix_caching: bool = True,
                  num_kv_blocks: int | None = None, kv_cache_memory_gib: float | None = None, seed: int = 0,
-                 served_model_name: str | None = None, cuda_graphs: bool = True,
+                 served_model_name: str | None = None, cuda_graphs: bool = True, compile: bool | None = None,
                  tp_group: dist.ProcessGroup | None = None, log=_log):
         if not 0 < gpu_memory_utilization <= 1:
             raise DuokaError(f"--gpu-memory-utilization {gpu_memory_utilization} is outside (0, 1]",
@@ -117,10 +118,17 @@ class LLMEngine:
         check_tp_size(args, self.tp)
         self._steps_group = step_group(tp_group) if self.tp > 1 else None
         t0 = time.perf_counter()
+        # Each decoder block runs as one compiled graph around the attention operator (compile
+        # None: on GPU only, where a decode step is then dozens of kernels per layer fewer;
+        # bench/NOTES.md, "Serving"). q, k and v stay three matmuls: fusing them concatenates
+        # their weights at every step, traffic a bandwidth-bound decode cannot spare.
+        compile = self.device.type == "cuda" if compile is None else compile
+        options = ModelOptions(compile="block" if compile else "none", compile_dynamic=True, fuse_qkv=False)
         if self.tp > 1:
-            self.model = load_tp_model(folder, args, tp_group, self.device, self.dtype)
+            self.model = load_tp_model(folder, args, tp_group, self.device, self.dtype, options)
         else:
-            self.model, _ = load_hf_model(folder, device=self.device, dtype=self.dtype)
+            self.model, _ = load_hf_model(folder, device=self.device, dtype=self.dtype, options=options)
+        self.model.requires_grad_(False)  # inference only: nothing compiled traces a backward
         self.sampler = Sampler()
         kv_bytes = 0
         if num_kv_blocks is None:

@@ -173,6 +173,7 @@ class ModelRunner:
         return self.model(x.token_ids[None], positions=x.positions, paged=self._batch(x, splits)).float()
 
     # ---------------------------------------------------------------- CUDA graphs
+    @torch.inference_mode()
     def _capture(self, buckets: list[int]) -> None:
         """One graph per bucket of decode batch size, largest first, sharing one memory pool.
         The graphs read fixed input buffers; each replay copies the step's values into them."""

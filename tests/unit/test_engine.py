@@ -129,3 +129,38 @@ def test_abort_frees_blocks_at_once(model_folder):
     assert engine.stats().kv_usage == 0
     (out,) = engine.step()
     assert out.finished and out.finish_reason == "abort" and not engine.has_unfinished()
+
+
+def test_compiled_blocks_stay_within_the_recompile_limit(model_folder):
+    """Steps of every shape (single decodes, prefill chunks, mixed, one-block tables) through
+    the compiled decoder blocks: the same tokens as uncompiled, and few enough compiled graphs
+    that torch never hits its recompile limit (a hard error under fullgraph)."""
+    import random
+
+    _, folder = model_folder(seed=11)
+    rng = random.Random(0)
+    batch = [[rng.randrange(1, VOCAB) for _ in range(rng.randint(1, 30))] for _ in range(10)]
+    params = [SamplingParams(max_tokens=rng.randint(1, 12), temperature=0, ignore_eos=True) for _ in batch]
+    steps_between = [rng.randint(0, 2) for _ in batch]  # requests arrive while others run
+    torch._dynamo.reset()
+    options = dict(device="cpu", max_model_len=64, block_size=4, max_num_batched_tokens=13, log=lambda m: None)
+    results = {}
+    for compiled in (False, True):
+        engine = LLMEngine(folder, compile=compiled, **options)
+        tokens = {}
+
+        def step():
+            for out in engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+
+        for i, (prompt, p, wait) in enumerate(zip(batch, params, steps_between)):
+            engine.add_request(str(i), prompt, p)
+            for _ in range(wait):
+                step()
+        while engine.has_unfinished():
+            step()
+        results[compiled] = tokens
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()  # later tests count their own compilations
+    assert results[True] == results[False]
+    assert 0 < graphs <= torch._dynamo.config.recompile_limit - 2, graphs

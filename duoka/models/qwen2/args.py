@@ -116,6 +116,9 @@ class ModelOptions:
     attention and MLP bodies each (tensor parallelism, whose module hooks must stay eager)."""
     compile_loss: bool = False
     """The fused chunked loss's per-chunk softmax pass compiled."""
+    compile_dynamic: bool = False
+    """Compiled bodies take every size as symbolic from the first call: serving's steps differ
+    in token count, sequences and block-table width from one step to the next."""
 
     def __post_init__(self):
         for name, value, allowed in (("document_masking", self.document_masking, DOCUMENT_MASKING),

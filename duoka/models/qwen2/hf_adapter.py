@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 
 from duoka.errors import DuokaError
 from duoka.hub import resolve_model_dir
-from duoka.models.qwen2.args import ModelArgs, from_hf_config, to_hf_config
+from duoka.models.qwen2.args import ModelArgs, ModelOptions, from_hf_config, to_hf_config
 from duoka.models.qwen2.model import Qwen2, build_model, materialize, write_full_
 
 CONFIG_FILE = "config.json"
@@ -200,16 +200,17 @@ def load_hf_model(
     name_or_path: str | Path,
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
+    options: ModelOptions = ModelOptions(),
 ) -> tuple[Qwen2, Path]:
-    """Build the model on meta, allocate it once on `device` in `dtype` (default: the
-    checkpoint's dtype on GPU, fp32 on CPU), then stream the weights in."""
+    """Build the model (with `options`) on meta, allocate it once on `device` in `dtype`
+    (default: the checkpoint's dtype on GPU, fp32 on CPU), then stream the weights in."""
     folder = resolve_model_dir(name_or_path)
     args = read_config(folder)
     if dtype is None:
         dtype = checkpoint_dtype(folder) or torch.bfloat16
         if torch.device(device).type == "cpu":
             dtype = torch.float32  # CPU bf16 matmuls are slow and rarely what a user wants
-    model = materialize(build_model(args), device, dtype)
+    model = materialize(build_model(args, options), device, dtype)
     load_hf_weights(model, folder)
     return model.eval(), folder
 

@@ -177,21 +177,20 @@ SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_
                  "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
 
-def compiled_body(body, compile: bool):
+def compiled_body(body, compile: bool, dynamic: bool = False):
     """`body` (a bound method holding a module's computation) as one fullgraph torch.compile
     region, or as it is. The module's forward calls it, so the hooks of that module
     (FSDP2's, tensor parallelism's, timers) and any wrapper around it stay outside the
     graph, and parameter names keep no `_orig_mod.` prefix."""
-    return torch.compile(body, fullgraph=True) if compile else body
+    return torch.compile(body, fullgraph=True, dynamic=True if dynamic else None) if compile else body
 
 
 class Attention(nn.Module):
     """Grouped-query attention. Only x is positional in forward: the tensor-parallel plan
     lays out the first positional input and passes keyword arguments through untouched."""
 
-    def __init__(self, args: ModelArgs, options: ModelOptions = ModelOptions(), layer_id: int = 0):
+    def __init__(self, args: ModelArgs, options: ModelOptions = ModelOptions()):
         super().__init__()
-        self.layer_id = layer_id  # which of a paged batch's per-layer caches is this layer's
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.resolved_head_dim
@@ -204,11 +203,11 @@ class Attention(nn.Module):
         # sdpa_kernel() inside the forward: torch.compile bakes a context manager's backend
         # into the graph and its cache key, but not the process-wide switches.
         self.sdpa_backend = SDPA_BACKENDS[options.sdpa_backend] if options.sdpa_backend else None
-        self._body = compiled_body(self._attend, options.compile == "parts")
+        self._body = compiled_body(self._attend, options.compile == "parts", options.compile_dynamic)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask=None) -> torch.Tensor:
         """x [batch, seq, dim]; rope: (cos, sin); mask: None (causal), a document mask, or a
-        serving step's PagedBatch (x is then the step's tokens as one row)."""
+        serving step's PagedBatch for this layer (x is then the step's tokens as one row)."""
         return self._body(x, rope, mask)
 
     def _attend(self, x, rope, mask):
@@ -229,7 +228,7 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         gqa = q.shape[1] != k.shape[1]
         if isinstance(mask, PagedBatch):
-            return self.wo(paged_attention(q, k, v, mask, self.layer_id))
+            return self.wo(paged_attention(q, k, v, mask))
         if mask is None:  # plain causal attention: the fused kernels' fast path
             with sdpa_kernel(self.sdpa_backend) if self.sdpa_backend is not None else contextlib.nullcontext():
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -250,7 +249,7 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
-        self._body = compiled_body(self._mlp, options.compile == "parts")
+        self._body = compiled_body(self._mlp, options.compile == "parts", options.compile_dynamic)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._body(x)
@@ -264,13 +263,16 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, options: ModelOptions = ModelOptions(), layer_id: int = 0):
         super().__init__()
+        self.layer_id = layer_id  # which of a serving step's per-layer caches is this layer's
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args, options, layer_id)
+        self.attention = Attention(args, options)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.intermediate_size, options)
-        self._body = compiled_body(self._block, options.compile == "block")
+        self._body = compiled_body(self._block, options.compile == "block", options.compile_dynamic)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask=None) -> torch.Tensor:
+        if isinstance(mask, PagedBatch):
+            mask = mask.for_layer(self.layer_id)
         return self._body(x, rope, mask)
 
     def _block(self, x, rope, mask):

@@ -17,6 +17,7 @@ Two ways to run it, chosen by the runner for its device (PagedBatch.backend):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ class PagedBatch:
     """One engine step's metadata, on the model's device. Sequence b's new tokens are rows
     query_start[b]:query_start[b+1] of the T tokens; they are the last tokens of its
     context of context_lens[b] tokens, whose K/V live in the blocks block_tables[b]."""
-    k_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, kv_heads, head_dim]
+    k_caches: list[torch.Tensor]  # per layer [num_blocks, block_size, kv_heads, head_dim] (one: for_layer)
     v_caches: list[torch.Tensor]
     slot_mapping: torch.Tensor  # int64 [T]
     block_tables: torch.Tensor  # int32 [B, max_blocks]
@@ -49,9 +50,20 @@ class PagedBatch:
     prefill_context: int = 0
     max_context_len: int = 0
 
+    def __post_init__(self):
+        # The sizes above as one host tensor, the form in which they enter the attention
+        # operator: a compiled graph that read the integers would specialise on their values.
+        self.sizes = torch.tensor([self.max_query_len, self.num_decodes, self.decode_splits, self.prefill_context,
+                                   self.max_context_len])
+
     @property
     def block_size(self) -> int:
         return self.k_caches[0].shape[1]
+
+    def for_layer(self, layer: int) -> PagedBatch:
+        """The step as one layer sees it: its own caches only. A compiled decoder block then
+        indexes no list by its layer number, so every layer shares one compiled graph."""
+        return dataclasses.replace(self, k_caches=[self.k_caches[layer]], v_caches=[self.v_caches[layer]])
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -134,22 +146,41 @@ def gathered_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     return causal_varlen(q, keys, values, cu_q, cu_k, batch.max_query_len, batch.max_context_len)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PagedBatch,
-                    layer: int) -> torch.Tensor:
-    """One layer's attention for a step: q [1, heads, T, head_dim], k/v [1, kv_heads, T,
-    head_dim] (the new tokens, rotated) -> [1, T, heads * head_dim]."""
-    k_cache, v_cache = batch.k_caches[layer], batch.v_caches[layer]
-    write_kv(k_cache, v_cache, k[0].transpose(0, 1), v[0].transpose(0, 1), batch.slot_mapping)
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
+    """One layer's attention for a step (batch: PagedBatch.for_layer): q [1, heads, T,
+    head_dim], k/v [1, kv_heads, T, head_dim] (the new tokens, rotated) -> [1, T, heads * head_dim].
+
+    It runs as one custom operator, opaque to torch.compile: a compiled decoder block keeps
+    its norms, projections and rotary embedding in one graph around it, and the step's sizes
+    reach the kernels in one host tensor (PagedBatch.sizes)."""
+    return torch.ops.duoka.paged_attention(
+        q, k, v, batch.k_caches[0], batch.v_caches[0], batch.slot_mapping, batch.block_tables,
+        batch.context_lens, batch.query_start, batch.sizes, batch.backend)
+
+
+@torch.library.custom_op("duoka::paged_attention", mutates_args=("k_cache", "v_cache"))
+def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                        context_lens: torch.Tensor, query_start: torch.Tensor, sizes: torch.Tensor,
+                        backend: str) -> torch.Tensor:
+    max_query_len, num_decodes, decode_splits, prefill_context, max_context_len = sizes.tolist()
+    batch = PagedBatch([k_cache], [v_cache], slot_mapping, block_tables, context_lens, query_start, max_query_len,
+                       slot_mapping[:0], backend, num_decodes, decode_splits, prefill_context, max_context_len)
+    write_kv(k_cache, v_cache, k[0].transpose(0, 1), v[0].transpose(0, 1), slot_mapping)
     q = q[0].transpose(0, 1)  # [T, heads, head_dim]
-    if batch.backend == "reference":
+    if backend == "reference":
         out = reference_attention(q, k_cache, v_cache, batch)
     else:
-        n = batch.num_decodes
+        n = num_decodes
         parts = []
         if n:
-            parts.append(decode_attention(q[:n], k_cache, v_cache, batch.block_tables[:n], batch.context_lens[:n],
-                                          batch.decode_splits))
+            parts.append(decode_attention(q[:n], k_cache, v_cache, block_tables[:n], context_lens[:n], decode_splits))
         if n < q.shape[0]:
             parts.append(gathered_prefill(q[n:].contiguous(), k_cache, v_cache, batch))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return out.reshape(1, out.shape[0], -1)
+
+
+@_paged_attention_op.register_fake
+def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, query_start, sizes, backend):
+    return q.new_empty(1, q.shape[2], q.shape[1] * q.shape[3])

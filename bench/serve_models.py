@@ -1,0 +1,51 @@
+"""Random Qwen2 model folders of published shapes for the serving benchmarks (transformers
+writes them, bf16, seed 0, with the bundled tokenizer), and the serving peer's workload."""
+
+from __future__ import annotations
+
+import random
+import shutil
+from pathlib import Path
+
+import torch
+
+from duoka.hub import bundled_model_dir
+
+# The serving peer's shapes (../shared/peer/hf_qwen2_serve_baseline.py).
+SHAPES = {
+    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+                 intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
+    "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+               intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
+}
+
+
+def make_folder(shape: str, root: str | Path = "/tmp/duoka-models") -> Path:
+    """A random model of `shape` as a Hugging Face folder (made once, then reused)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    folder = Path(root) / f"qwen2-{shape}-random"
+    if (folder / "config.json").is_file():
+        return folder
+    cfg = Qwen2Config(**SHAPES[shape], rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=32768,
+                      bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(folder, max_shard_size="5GB")
+    del model
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(bundled_model_dir() / name, folder / name)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return folder
+
+
+def peer_workload(requests: int = 256, prompt_min: int = 128, prompt_max: int = 1024, vocab: int = 151936,
+                  seed: int = 0) -> list[list[int]]:
+    """The peer script's prompts: lengths uniform in [prompt_min, prompt_max], random ids (seed 0)."""
+    rng = random.Random(seed)
+    lens = [rng.randint(prompt_min, prompt_max) for _ in range(requests)]
+    return [[rng.randrange(1, vocab) for _ in range(n)] for n in lens]
