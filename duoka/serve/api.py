@@ -49,6 +49,10 @@ from duoka.serve.params import MAX_LOGPROBS, RequestOutput, SamplingParams
 
 # JSON has no -inf; a token the model rules out entirely gets vLLM's stand-in value.
 LOGPROB_FLOOR = -9999.0
+# The largest request body read. Qwen2's longest context (131,072 tokens) is under 1 MiB as
+# JSON token ids or as text; past this a body is refused (413) before it is parsed or
+# tokenized, so one client cannot make the server hold and parse gigabytes.
+MAX_BODY_BYTES = 16 * 2**20
 
 
 # ---------------------------------------------------------------- errors
@@ -188,12 +192,59 @@ class _BearerAuth:
         await self.app(scope, receive, send)
 
 
+class _BodyLimit:
+    """ASGI middleware: bodies over `limit` bytes get a 413, from their Content-Length when
+    they declare one, else as soon as the bytes read pass it. The body is read here and handed
+    on whole (the app would read it whole anyway); later messages (a disconnect) pass through."""
+
+    def __init__(self, app, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._refuse(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                await self._refuse(scope, receive, send)
+                return
+            if not message.get("more_body", False):
+                break
+        first = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay():
+            nonlocal first
+            if first is not None:
+                message, first = first, None
+                return message
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, scope, receive, send):
+        response = error_response(413, f"the request body is larger than {self.limit // 2**20} MiB",
+                                  code="request_too_large")
+        await response(scope, receive, send)
+
+
 def build_app(async_engine: AsyncEngine, tokenizer, model_name: str, max_model_len: int,
               default_params: dict[str, Any], api_key: str | None = None) -> FastAPI:
     """default_params: SamplingParams fields from the model's generation_config.json; a
     request's own fields override them."""
     app = FastAPI(title="duoka serve", docs_url=None, redoc_url=None, openapi_url=None)
-    if api_key:
+    app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
+    if api_key:  # added last, so it runs first: a caller without the key is refused unread
         app.add_middleware(_BearerAuth, api_key=api_key)
     started = int(time.time())
     server = _Server(async_engine, tokenizer, model_name, max_model_len, dict(default_params))

@@ -565,3 +565,23 @@ def test_console_line_only_when_something_changed():
     now[0] = 15.0
     line = m.console_line()
     assert "generation 4.0 tok/s" in line and "running 0" in line  # 20 tokens since the quiet check at 10 s
+
+
+def test_an_oversized_body_is_refused_unread(served):
+    import duoka.serve.api as api
+
+    s = served()
+    limit = api.MAX_BODY_BYTES
+    big = '{"model": "%s", "prompt": "%s"}' % (MODEL, "x" * (limit + 10))
+    r = s.client.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield b'{"prompt": "'
+        for _ in range(limit // 2**16 + 2):
+            yield b"x" * 2**16
+        yield b'"}'
+
+    r = s.client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert s.client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}).status_code == 200
