@@ -22,6 +22,8 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
+import numpy as np
+
 
 def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
     """Hash of one full block: its token ids chained with the parent block's hash (b"" for the
@@ -36,10 +38,12 @@ class BlockManager:
     hash -> block map of cached full blocks. `seq` arguments are duoka.serve.scheduler.Sequence
     (not imported: the scheduler imports this module).
 
-    Per-sequence state it keeps on the Sequence: block_table, num_computed, num_cached_tokens,
-    block_hashes (content hashes of the full blocks of all_ids, grown incrementally and kept
-    across preemption: the tokens never change) and num_registered_blocks (how many leading
-    blocks of the table are already in the hash map, so registration never rescans a prompt).
+    Per-sequence state it keeps on the Sequence: block_table, block_array (the table as int32
+    for prepare_inputs: block_array[:len(block_table)] == block_table, the rest spare room),
+    num_computed, num_cached_tokens, block_hashes (content hashes of the full blocks of all_ids,
+    grown incrementally and kept across preemption: the tokens never change) and
+    num_registered_blocks (how many leading blocks of the table are already in the hash map, so
+    registration never rescans a prompt).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -90,8 +94,7 @@ class BlockManager:
             self.ref_counts[b] += 1
         num_computed = len(hits) * self.block_size
         need = -(-(num_computed + num_new) // self.block_size) - len(hits)
-        seq.block_table.extend(hits)
-        seq.block_table.extend(self._take_free() for _ in range(need))
+        self._append_blocks(seq, hits + [self._take_free() for _ in range(need)])
         seq.num_computed = num_computed
         seq.num_registered_blocks = len(hits)
         if seq.num_preemptions == 0:
@@ -131,9 +134,11 @@ class BlockManager:
         """Give a running sequence blocks for its next num_new tokens (positions num_computed ..
         num_computed + num_new - 1). False, changing nothing, when the free blocks do not suffice."""
         need = -(-(seq.num_computed + num_new) // self.block_size) - len(seq.block_table)
+        if need <= 0:  # most decode steps: the last block still has room
+            return True
         if need > len(self.free_queue):
             return False
-        seq.block_table.extend(self._take_free() for _ in range(need))
+        self._append_blocks(seq, [self._take_free() for _ in range(need)])
         return True
 
     def register_computed(self, seq) -> None:
@@ -172,6 +177,18 @@ class BlockManager:
         seq.num_registered_blocks = 0
 
     # ------------------------------------------------------------------ internals
+    @staticmethod
+    def _append_blocks(seq, blocks: list[int]) -> None:
+        """Append to seq's block table and to its int32 copy, which grows by doubling so that
+        appending stays amortised O(1) per block."""
+        table, start = seq.block_table, len(seq.block_table)
+        table.extend(blocks)
+        if len(table) > len(seq.block_array):
+            grown = np.zeros(max(len(table), 2 * len(seq.block_array), 16), dtype=np.int32)
+            grown[:start] = seq.block_array[:start]
+            seq.block_array = grown
+        seq.block_array[start:len(table)] = blocks
+
     def _take_free(self) -> int:
         b, _ = self.free_queue.popitem(last=False)
         h = self.hash_of[b]

@@ -27,7 +27,7 @@ from duoka.parallel.devices import compute_dtype_name
 from duoka.parallel.serve_tp import check_tp_size, load_tp_model, local_kv_heads
 from duoka.serve.blocks import BlockManager
 from duoka.serve.detok import IncrementalDetokenizer
-from duoka.serve.params import MAX_LOGPROBS, RequestOutput, SamplingParams
+from duoka.serve.params import MAX_LOGPROBS, RequestOutput, SamplingParams, TokenLogprob
 from duoka.serve.runner import (
     CacheShape,
     ModelRunner,
@@ -80,14 +80,16 @@ class LLMEngine:
     max_model_len: the longest prompt + output (default: the model's context).
     gpu_memory_utilization: the share of the GPU the process may fill, weights and cache
     together (CPU: the share of free RAM, at most CPU_KV_CACHE_GIB unless kv_cache_memory_gib).
-    num_kv_blocks: a fixed cache size instead (tests use a tiny one to force preemption)."""
+    num_kv_blocks: a fixed cache size instead (tests use a tiny one to force preemption).
+    runner_factory: builds the runner from ModelRunner's arguments (a benchmark of the host's
+    work passes one whose execute returns logits without a model)."""
 
     def __init__(self, model: str | Path | None = None, *, device: str | None = None, dtype: str = "auto",
                  max_model_len: int | None = None, gpu_memory_utilization: float = 0.9, block_size: int = 16,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, enable_prefix_caching: bool = True,
                  num_kv_blocks: int | None = None, kv_cache_memory_gib: float | None = None, seed: int = 0,
                  served_model_name: str | None = None, cuda_graphs: bool = True, compile: bool | None = None,
-                 tp_group: dist.ProcessGroup | None = None, log=_log):
+                 tp_group: dist.ProcessGroup | None = None, log=_log, runner_factory=ModelRunner):
         if not 0 < gpu_memory_utilization <= 1:
             raise DuokaError(f"--gpu-memory-utilization {gpu_memory_utilization} is outside (0, 1]",
                              "give the share of the GPU's memory to use, e.g. 0.9")
@@ -141,7 +143,7 @@ class LLMEngine:
         shape = cache_shape(self.model, local_kv_heads(args, self.tp), block_size, self.dtype, kv_bytes,
                             self.max_model_len, max_num_seqs, num_kv_blocks)
         self.shape: CacheShape = shape
-        self.runner = ModelRunner(self.model, shape, self.device, self.max_model_len, max_num_seqs, cuda_graphs)
+        self.runner = runner_factory(self.model, shape, self.device, self.max_model_len, max_num_seqs, cuda_graphs)
         log(f"duoka: loaded {folder} on {self.device} ({str(self.dtype).removeprefix('torch.')}) in "
             f"{time.perf_counter() - t0:.1f} s; KV cache {shape.tokens:,} tokens in {shape.num_blocks:,} blocks of "
             f"{block_size} ({shape.num_blocks * shape.bytes_per_block / 2**30:.2f} GiB), maximum concurrency "
@@ -158,7 +160,8 @@ class LLMEngine:
         gen = self.tokenizer.generation_config
         self.default_params = {k: gen[k] for k in GENERATION_CONFIG_KEYS if k in gen}
         self._seeds = random.Random(seed)
-        self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer, int]] = {}  # id -> (seq, detok, seed)
+        # id -> (seq, detok, its sampling row: params and seed fixed, output_index set each step)
+        self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer, SampleRow]] = {}
         self._aborted: list[RequestOutput] = []
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -192,7 +195,8 @@ class LLMEngine:
         seq = Sequence(request_id, list(prompt_ids), params)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop)
         self.scheduler.add(seq)
-        self._requests[request_id] = (seq, detok, seed)
+        # The row reads seq.output_ids, the list itself (it only grows), for the penalties.
+        self._requests[request_id] = (seq, detok, SampleRow(params, seed, 0, seq.output_ids))
 
     def abort(self, request_id: str) -> None:
         """Free the request's blocks now; its final output (finish_reason "abort") comes with the next step."""
@@ -213,43 +217,52 @@ class LLMEngine:
         batch: ScheduledBatch = self.scheduler.schedule()
         self._preemptions += len(batch.preempted)
         sampled: dict[str, int] = {}
-        logprobs = {}
+        logprobs: dict[str, TokenLogprob | None] = {}
         if batch.items:
             items = decode_first(batch.items)
             inputs = prepare_inputs(items, self.shape.block_size)
             if self.tp > 1:
                 broadcast_step(inputs, self._steps_group)
             logits = self.runner.execute(inputs)
+            requests = self._requests
             rows, ids = [], []
+            prompt_tokens = 0
             for item in items:
+                seq = item.seq
+                if item.start < len(seq.prompt_ids):
+                    prompt_tokens += min(item.num_new, len(seq.prompt_ids) - item.start)
                 if item.sample:
-                    seq, _, seed = self._requests[item.seq.request_id]
-                    rows.append(SampleRow(seq.params, seed, seq.num_output_tokens, seq.output_ids))
+                    row = requests[seq.request_id][2]
+                    row.output_index = len(seq.output_ids)
+                    rows.append(row)
                     ids.append(seq.request_id)
             result = self.sampler.sample(logits, rows)
             sampled = dict(zip(ids, result.token_ids))
-            logprobs = dict(zip(ids, result.logprobs))
-            for item in batch.items:
-                if item.start < item.seq.num_prompt_tokens:
-                    self._prompt_tokens += min(item.num_new, item.seq.num_prompt_tokens - item.start)
+            if any(result.logprobs):
+                logprobs = dict(zip(ids, result.logprobs))
+            self._prompt_tokens += prompt_tokens
         self._generation_tokens += len(sampled)
         for seq in self.scheduler.update(batch, sampled):
             outputs.append(self._output(seq, sampled[seq.request_id], logprobs.get(seq.request_id)))
         return outputs
 
-    def _output(self, seq: Sequence, token: int, logprob) -> RequestOutput:
-        _, detok, _ = self._requests[seq.request_id]
-        stopped_by_id = seq.status == SeqStatus.FINISHED and seq.finish_reason == "stop"
-        text, stop = ("", None) if stopped_by_id else detok.push([token])
-        if stop is not None and seq.status != SeqStatus.FINISHED:
-            self.scheduler.finish(seq, "stop")
-        if seq.status == SeqStatus.FINISHED:
+    def _output(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        detok = self._requests[seq.request_id][1]
+        finished = seq.status is SeqStatus.FINISHED
+        new_ids = [token]
+        if finished and seq.finish_reason == "stop":  # a stop id: not part of the text
+            text, stop = "", None
+        else:
+            text, stop = detok.push(new_ids)
+            if stop is not None and not finished:
+                self.scheduler.finish(seq, "stop")
+                finished = True
+        if finished:
             if stop is None:
                 text += detok.flush()
             del self._requests[seq.request_id]
-        return RequestOutput(seq.request_id, [token], text, None if logprob is None else [logprob],
-                             seq.status == SeqStatus.FINISHED, seq.finish_reason, seq.num_prompt_tokens,
-                             seq.num_output_tokens, seq.num_cached_tokens)
+        return RequestOutput(seq.request_id, new_ids, text, None if logprob is None else [logprob], finished,
+                             seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids), seq.num_cached_tokens)
 
     def stats(self) -> EngineStats:
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, self.blocks.usage,

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
+from itertools import chain
 
+import numpy as np
 import torch
 
 from duoka.errors import DuokaError
@@ -61,38 +63,56 @@ _ARRAYS = [f.name for f in fields(StepInputs) if f.type == "torch.Tensor"]
 def decode_first(items: list[ScheduledItem]) -> list[ScheduledItem]:
     """The step's one-token items first (the decode kernel's part), the rest after, each
     group in scheduling order. The logits rows follow this order."""
-    return [item for item in items if item.num_new == 1] + [item for item in items if item.num_new != 1]
+    decodes = [item for item in items if item.num_new == 1]
+    if len(decodes) == len(items):  # a decode-only step keeps its list
+        return items
+    return decodes + [item for item in items if item.num_new != 1]
 
 
 def prepare_inputs(items: list[ScheduledItem], block_size: int) -> StepInputs:
     """Host-side arrays for the scheduled items (in decode_first order), with a logits row
-    for each item that samples (its last new token)."""
-    tokens, positions, slots, starts, context, logits_rows = [], [], [], [0], [], []
-    width = max(len(item.seq.block_table) for item in items)
-    tables = []
-    for item in items:
-        seq, start, end = item.seq, item.start, item.start + item.num_new
-        table = seq.block_table
-        tokens.extend(seq.all_ids[start:end])
-        positions.extend(range(start, end))
-        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-        starts.append(starts[-1] + item.num_new)
-        context.append(end)
-        tables.append(table + [0] * (width - len(table)))
-        if item.sample:
-            logits_rows.append(starts[-1] - 1)
+    for each item that samples (its last new token).
+
+    Per item only the Python reads that cannot be avoided (its start, size, tokens and block
+    table); everything else is computed on whole arrays, and each array becomes a tensor once."""
+    n = len(items)
+    seqs = [item.seq for item in items]
+    starts = np.array([item.start for item in items], dtype=np.int64)
+    num_new = np.array([item.num_new for item in items], dtype=np.int64)
+    max_query_len = int(num_new.max())
+    query_start = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(num_new, out=query_start[1:])
+    if max_query_len == 1:  # all decodes: one token each, at its start
+        tokens = np.array([seq.all_ids[start] for seq, start in zip(seqs, starts.tolist())], dtype=np.int64)
+        positions = starts
+        rows = np.arange(n)
+    else:
+        tokens = np.fromiter(chain.from_iterable(item.seq.all_ids[item.start:item.start + item.num_new]
+                                                 for item in items), dtype=np.int64, count=int(query_start[-1]))
+        rows = np.repeat(np.arange(n), num_new)
+        positions = np.arange(len(tokens)) + (starts - query_start[:-1])[rows]
+    # Tables padded with block 0 to the longest: a row is read only up to its context length.
+    # Each row is one copy of the sequence's int32 table (BlockManager keeps it), not a list.
+    lengths = [len(seq.block_table) for seq in seqs]
+    block_tables = np.zeros((n, max(lengths)), dtype=np.int32)
+    for row, seq, length in zip(block_tables, seqs, lengths):
+        row[:length] = seq.block_array[:length]
+    slots = block_tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    context = starts + num_new
+    sample = np.array([item.sample for item in items], dtype=bool)
+    is_prefill = num_new != 1
     return StepInputs(
-        token_ids=torch.tensor(tokens, dtype=torch.long),
-        positions=torch.tensor(positions, dtype=torch.long),
-        slot_mapping=torch.tensor(slots, dtype=torch.long),
-        block_tables=torch.tensor(tables, dtype=torch.int32),
-        context_lens=torch.tensor(context, dtype=torch.int32),
-        query_start=torch.tensor(starts, dtype=torch.int32),
-        logits_indices=torch.tensor(logits_rows, dtype=torch.long),
-        max_query_len=max(item.num_new for item in items),
-        num_decodes=sum(item.num_new == 1 for item in items),
-        max_context_len=max(context),
-        prefill_context=sum(end for item, end in zip(items, context) if item.num_new != 1),
+        token_ids=torch.from_numpy(tokens),
+        positions=torch.from_numpy(positions),
+        slot_mapping=torch.from_numpy(slots),
+        block_tables=torch.from_numpy(block_tables),
+        context_lens=torch.from_numpy(context.astype(np.int32)),
+        query_start=torch.from_numpy(query_start.astype(np.int32)),
+        logits_indices=torch.from_numpy(query_start[1:][sample] - 1),
+        max_query_len=max_query_len,
+        num_decodes=n - int(is_prefill.sum()),
+        max_context_len=int(context.max()),
+        prefill_context=int(context[is_prefill].sum()),
     )
 
 

@@ -28,6 +28,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
+import numpy as np
+
 from duoka.serve.blocks import BlockManager
 from duoka.serve.params import SamplingParams
 
@@ -36,6 +38,9 @@ class SeqStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+_NO_BLOCKS = np.zeros(0, dtype=np.int32)  # shared by sequences until their first blocks (never written)
 
 
 class Sequence:
@@ -48,7 +53,7 @@ class Sequence:
     """
 
     __slots__ = ("request_id", "prompt_ids", "output_ids", "all_ids", "params", "status", "block_table",
-                 "num_computed", "num_cached_tokens", "arrival", "finish_reason", "num_preemptions",
+                 "block_array", "num_computed", "num_cached_tokens", "arrival", "finish_reason", "num_preemptions",
                  "block_hashes", "num_registered_blocks")
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float | None = None):
@@ -60,6 +65,7 @@ class Sequence:
         self.params = params
         self.status = SeqStatus.WAITING
         self.block_table: list[int] = []
+        self.block_array = _NO_BLOCKS  # BlockManager's: block_table as int32, with spare room
         self.num_computed = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at the first admission
         self.arrival = time.monotonic() if arrival is None else arrival
@@ -175,26 +181,22 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         bm = self.block_manager
+        block_size = bm.block_size
         budget = self.max_num_batched_tokens
         batch = ScheduledBatch()
+        items = batch.items
         running = self.running
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            num_new = min(seq.num_tokens - seq.num_computed, budget)
-            while not bm.ensure_slots(seq, num_new):
-                # Victims come from the end, behind seq: sequences already scheduled this step
-                # (before seq) are never touched, so this step's items stay valid.
-                victim = running.pop()
-                self._preempt(victim)
-                batch.preempted.append(victim)
-                if victim is seq:
-                    break
-            else:
-                batch.items.append(ScheduledItem(seq, seq.num_computed, num_new,
-                                                 seq.num_computed + num_new == seq.num_tokens))
-                budget -= num_new
-                i += 1
+            start, num_tokens = seq.num_computed, len(seq.all_ids)
+            end = min(num_tokens, start + budget)
+            # Blocks are asked for only past the table's end (most decodes fit in their last block).
+            if end > len(seq.block_table) * block_size and not self._make_room(seq, end - start, batch):
+                break  # seq preempted itself: it was the last one running
+            items.append(ScheduledItem(seq, start, end - start, end == num_tokens))
+            budget -= end - start
+            i += 1
         if batch.preempted:
             # Popped most recent first; pushed to the front one by one, they end up in their
             # original order ahead of everything that arrived later.
@@ -213,6 +215,18 @@ class Scheduler:
             budget -= num_new
         return batch
 
+    def _make_room(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> bool:
+        """Blocks for seq's next num_new tokens, preempting from the end of running while there
+        are too few. Victims come from behind seq: sequences already scheduled this step (before
+        seq) are never touched, so this step's items stay valid. False if seq itself was taken."""
+        while not self.block_manager.ensure_slots(seq, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            batch.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)  # num_computed = 0, block_table emptied, hashes kept
         seq.status = SeqStatus.WAITING
@@ -222,25 +236,26 @@ class Scheduler:
         """Account for a finished model step: the items' K/V are in the cache, and sampled holds
         the token drawn for each item with sample=True. Returns the sequences that got a token
         (finished ones included, with their finish_reason)."""
-        bm = self.block_manager
+        register = self.block_manager.register_computed
+        eos_ids, max_model_len, running = self.eos_ids, self.max_model_len, SeqStatus.RUNNING
         got_token = []
         finished = False
         for item in batch.items:
             seq = item.seq
-            if seq.status is not SeqStatus.RUNNING:
+            if seq.status is not running:
                 continue  # aborted after schedule(): its blocks are gone, its token is dropped
             assert item.start == seq.num_computed, (item, seq)
             seq.num_computed += item.num_new
-            bm.register_computed(seq)
+            register(seq)
             if not item.sample:
                 continue
             token = sampled[seq.request_id]
             seq.append_token(token)
             got_token.append(seq)
             params = seq.params
-            if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            if (token in eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
                 reason = "stop"
-            elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            elif len(seq.output_ids) >= params.max_tokens or len(seq.all_ids) >= max_model_len:
                 reason = "length"
             else:
                 continue
