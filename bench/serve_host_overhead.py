@@ -14,12 +14,14 @@ Workloads, greedy with ignore_eos (the peer's sampling):
   beside the decodes of the requests admitted before (mixed_8192).
 - one request (512 prompt tokens, 500 output tokens): the batch-1 decode step.
 
-Each measured step is split by timestamps at the engine's calls (taken by the fake runner and
-by wrappers this script puts on its engine's Scheduler instance): schedule (Scheduler.schedule),
-prepare (up to runner.execute: decode order, prepare_inputs), execute (the fake's copy of the
-logits), sampler (after execute up to Scheduler.update: the sampling rows and Sampler.sample,
-whose greedy argmax on CPU is device work on a GPU), update (Scheduler.update), outputs (the
-rest of the step: detokenizing, stop strings, RequestOutputs); host is the step less execute.
+Each measured step (one call of LLMEngine.step, a one-deep pipeline) is split by timestamps at
+the engine's calls (taken by the fake runner and by wrappers this script puts on its engine's
+Scheduler instance): land (up to the end of Scheduler.update: waiting for the step in flight,
+appending its tokens), schedule (Scheduler.schedule), prepare (up to runner.execute: decode
+order, prepare_inputs), execute (the fake's copy of the logits), then sample+outputs (the
+sampling rows, Sampler.launch, whose greedy argmax on CPU is device work on a GPU, and the
+previous step's detokenizing, stop strings and RequestOutputs: on a GPU this part overlaps
+the step just launched); host is the step less execute.
 Medians over the measured steps. The digest covers every
 output's ids, text and finish reason, so runs of two versions of the engine that print the
 same digest produced the same outputs.
@@ -43,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from duoka.serve.engine import LLMEngine  # noqa: E402
 from duoka.serve.params import SamplingParams  # noqa: E402
 
-PHASES = ("schedule", "prepare", "execute", "sampler", "update", "outputs")
+PHASES = ("land", "schedule", "prepare", "execute", "sample+outputs")
 COLUMNS = (*PHASES, "step", "host")  # host: the step less execute
 CONTEXT = 1024  # the bundled model's context
 BATCH = 256
@@ -120,10 +122,10 @@ def run(engine: LLMEngine, runner: LogitsRunner, clock: Clock, prompts: list[lis
         t1 = time.perf_counter()
         for out in outputs:
             digest.update(repr((out.request_id, out.new_token_ids, out.new_text, out.finish_reason)).encode())
-        if "execute" not in clock.marks or not measure(runner):
+        if "execute" not in clock.marks or "updated" not in clock.marks or not measure(runner):
             continue
         m = clock.marks
-        bounds = [t0, m["scheduled"], m["execute"], m["executed"], m["update"], m["updated"], t1]
+        bounds = [t0, m["updated"], m["scheduled"], m["execute"], m["executed"], t1]
         split = {name: (b - a) * 1e3 for name, a, b in zip(PHASES, bounds, bounds[1:])}
         split["step"] = (t1 - t0) * 1e3
         split["host"] = split["step"] - split["execute"]
@@ -166,9 +168,9 @@ def main():
     s, d = run(engine, runner, clock, [prompt], [500], lambda r: r.last_shape == (1, 1))
     result["decode_1"] = dict(summarise(s), steps=len(s), digest=d)
 
-    print(f"{'ms per step (median)':<22}" + "".join(f"{c:>10}" for c in COLUMNS) + "   steps  digest")
+    print(f"{'ms per step (median)':<22}" + "".join(f"{c:>15}" for c in COLUMNS) + "   steps  digest")
     for name, r in result.items():
-        print(f"{name:<22}" + "".join(f"{r[c]:>10.3f}" for c in COLUMNS) + f"{r['steps']:>8}  {r['digest']}")
+        print(f"{name:<22}" + "".join(f"{r[c]:>15.3f}" for c in COLUMNS) + f"{r['steps']:>8}  {r['digest']}")
     if a.json:
         Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
 

@@ -163,6 +163,7 @@ class LLMEngine:
         # id -> (seq, detok, its sampling row: params and seed fixed, output_index set each step)
         self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer, SampleRow]] = {}
         self._aborted: list[RequestOutput] = []
+        self._in_flight: tuple | None = None  # (batch, sampled request ids, PendingSample) of the launched step
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._preemptions = 0
@@ -209,42 +210,61 @@ class LLMEngine:
                                            seq.num_output_tokens, seq.num_cached_tokens))
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests) or bool(self._aborted)
+        return bool(self._requests) or bool(self._aborted) or self._in_flight is not None
 
     # ---------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
+        """One step of a one-deep pipeline: wait for the step in flight and record its tokens,
+        schedule and launch the next one, then turn the recorded tokens into outputs (text, stop
+        strings) while the device runs it. A request a stop string ends meanwhile loses the token
+        its next step computes; its blocks are freed at once, and none is handed out again
+        before that step has finished (scheduling waits for it)."""
         outputs, self._aborted = self._aborted, []
+        landed = self._land()
         batch: ScheduledBatch = self.scheduler.schedule()
         self._preemptions += len(batch.preempted)
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, TokenLogprob | None] = {}
         if batch.items:
-            items = decode_first(batch.items)
-            inputs = prepare_inputs(items, self.shape.block_size)
-            if self.tp > 1:
-                broadcast_step(inputs, self._steps_group)
-            logits = self.runner.execute(inputs)
-            requests = self._requests
-            rows, ids = [], []
-            prompt_tokens = 0
-            for item in items:
-                seq = item.seq
-                if item.start < len(seq.prompt_ids):
-                    prompt_tokens += min(item.num_new, len(seq.prompt_ids) - item.start)
-                if item.sample:
-                    row = requests[seq.request_id][2]
-                    row.output_index = len(seq.output_ids)
-                    rows.append(row)
-                    ids.append(seq.request_id)
-            result = self.sampler.sample(logits, rows)
-            sampled = dict(zip(ids, result.token_ids))
-            if any(result.logprobs):
-                logprobs = dict(zip(ids, result.logprobs))
-            self._prompt_tokens += prompt_tokens
-        self._generation_tokens += len(sampled)
-        for seq in self.scheduler.update(batch, sampled):
-            outputs.append(self._output(seq, sampled[seq.request_id], logprobs.get(seq.request_id)))
+            self._launch(batch)
+        requests = self._requests
+        for seq, token, logprob in landed:
+            if seq.request_id in requests:  # not aborted since
+                outputs.append(self._output(seq, token, logprob))
         return outputs
+
+    def _launch(self, batch: ScheduledBatch) -> None:
+        items = decode_first(batch.items)
+        inputs = prepare_inputs(items, self.shape.block_size)
+        if self.tp > 1:
+            broadcast_step(inputs, self._steps_group)
+        logits = self.runner.execute(inputs)
+        requests = self._requests
+        rows, ids = [], []
+        prompt_tokens = 0
+        for item in items:
+            seq = item.seq
+            if item.start < len(seq.prompt_ids):
+                prompt_tokens += min(item.num_new, len(seq.prompt_ids) - item.start)
+            if item.sample:
+                row = requests[seq.request_id][2]
+                row.output_index = len(seq.output_ids)
+                rows.append(row)
+                ids.append(seq.request_id)
+        self._prompt_tokens += prompt_tokens
+        self._in_flight = (batch, ids, self.sampler.launch(logits, rows))
+
+    def _land(self) -> list[tuple[Sequence, int, TokenLogprob | None]]:
+        """The step in flight, finished: its tokens appended (the scheduler drops those of
+        sequences finished or aborted meanwhile), as (sequence, token, logprob) to output."""
+        if self._in_flight is None:
+            return []
+        batch, ids, pending = self._in_flight
+        self._in_flight = None
+        result = pending.result()
+        sampled = dict(zip(ids, result.token_ids))
+        logprobs = dict(zip(ids, result.logprobs)) if any(result.logprobs) else {}
+        self._generation_tokens += len(sampled)
+        return [(seq, sampled[seq.request_id], logprobs.get(seq.request_id))
+                for seq in self.scheduler.update(batch, sampled)]
 
     def _output(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         detok = self._requests[seq.request_id][1]

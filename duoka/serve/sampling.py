@@ -121,6 +121,38 @@ def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Ten
     return _to_device(torch.tensor(values, dtype=dtype), device)
 
 
+class PendingSample:
+    """A launched sampling step: its figures are copied to the host behind the device's work;
+    result() waits for them (the step's one host synchronisation) and unpacks them."""
+
+    def __init__(self, packed: torch.Tensor, asked: list[int | None], want: list[int], top_k: int):
+        self.asked, self.want, self.top_k = asked, want, top_k
+        self.rows = len(asked)
+        self.event = None
+        if packed.device.type == "cuda":
+            self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self.host.copy_(packed, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = packed
+
+    def result(self) -> SampleResult:
+        if self.event is not None:
+            self.event.synchronize()
+        host = self.host.tolist()  # token ids are exact in fp64
+        S, want, top_k = self.rows, self.want, self.top_k
+        token_ids = [int(t) for t in host[:S]]
+        result: list[TokenLogprob | None] = [None] * S
+        n = len(want)
+        values, ids = host[S + n:S + n + n * top_k], host[S + n + n * top_k:]
+        for j, i in enumerate(want):
+            k = self.asked[i]
+            row = slice(j * top_k, j * top_k + k)
+            result[i] = TokenLogprob(token_ids[i], host[S + j], [(int(t), v) for t, v in zip(ids[row], values[row])])
+        return SampleResult(token_ids, result)
+
+
 class Sampler:
     """Stateless apart from a cached vocabulary index; one instance serves every step."""
 
@@ -132,14 +164,18 @@ class Sampler:
             self._arange = torch.arange(vocab, device=device)[None]
         return self._arange
 
-    @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
         """logits [S, V] (fp32, one row per entry of `rows`) -> a token per row, and the
         logprobs of the rows that ask for them."""
+        return self.launch(logits, rows).result()
+
+    @torch.inference_mode()
+    def launch(self, logits: torch.Tensor, rows: list[SampleRow]) -> PendingSample:
+        """sample()'s device work, queued without waiting for it: the host may do other work
+        (the previous step's text) until PendingSample.result()."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
         logits = logits.float()
-        S = logits.shape[0]
         device = logits.device
         params = [r.params for r in rows]
 
@@ -166,17 +202,7 @@ class Sampler:
             if top_k:
                 top_values, top_ids = logprobs.topk(top_k, dim=-1)  # sorted, most likely first
                 packed += [top_values.double().flatten(), top_ids.double().flatten()]
-        host = torch.cat(packed).tolist()  # the one host sync; token ids are exact in fp64
-
-        token_ids = [int(t) for t in host[:S]]
-        result: list[TokenLogprob | None] = [None] * S
-        n = len(want)
-        values, ids = host[S + n:S + n + n * top_k], host[S + n + n * top_k:]
-        for j, i in enumerate(want):
-            k = params[i].logprobs
-            row = slice(j * top_k, j * top_k + k)
-            result[i] = TokenLogprob(token_ids[i], host[S + j], [(int(t), v) for t, v in zip(ids[row], values[row])])
-        return SampleResult(token_ids, result)
+        return PendingSample(torch.cat(packed), [p.logprobs for p in params], want, top_k)
 
     def _penalise(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """OpenAI's formula: logit - presence * (count > 0) - frequency * count, with count the
