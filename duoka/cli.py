@@ -402,7 +402,8 @@ def _render_bench(bench: dict, console) -> None:
 def add_bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="training throughput, MFU, memory and step breakdown (optionally vs the peer)",
                        description="Runs duoka train on random tokens for warm-up + timed steps on the visible "
-                                   "GPUs and reports tokens/s/GPU, MFU, peak memory and the step-time breakdown.")
+                                   "GPUs and reports tokens/s/GPU, MFU, peak memory and the step-time breakdown. "
+                                   "`duoka bench serve` measures serving instead.")
     p.add_argument("--model", default="qwen2-0.5b", help="flavor (qwen2-0.5b, qwen2-1.5b, qwen2-7b, ...)")
     p.add_argument("--layout", default="ddp", help="parts joined by +: ddp | fsdp | hsdpR | tpN | ppN | ac | compile "
                                                    "| fused | reduce-every | noreshard")
@@ -421,6 +422,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--timeout", type=int, default=1200, help="seconds per run")
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.set_defaults(func=run_bench)
+    modes = p.add_subparsers(dest="bench_mode", metavar="[serve]")  # none: training, as before
+    add_bench_serve_parser(modes)
 
 
 def run_bench(a: argparse.Namespace) -> int:
@@ -441,6 +444,86 @@ def run_bench(a: argparse.Namespace) -> int:
     else:
         print(text)
     return 0
+
+
+def add_bench_serve_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve", help="serving throughput and latency through the OpenAI API (optionally vs the peer)",
+        description="Sends a fixed workload through a server's OpenAI API (/v1/completions, streamed, ignore_eos) "
+                    "and reports request and token throughput, time to first token, time per output token and "
+                    "inter-token latency (mean, median, p99), as `vllm bench serve` does. The server is the one "
+                    "at --url, or a `duoka serve` started here from --model and stopped at the end.")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--model", default=None,
+                       help="start `duoka serve MODEL` (folder or hub id; default: the bundled tiny model)")
+    where.add_argument("--url", default=None, help="benchmark the server running at this base URL instead")
+    p.add_argument("--model-name", default=None, help="the model name to send (default: the server's first model)")
+    p.add_argument("--api-key", default=None, help=f"bearer key for the server (default: ${SERVE_API_KEY_ENV})")
+    p.add_argument("--serve-arg", action="append", default=[], metavar="ARGS",
+                   help='extra flags for the duoka serve started here, e.g. --serve-arg "--device cpu" or '
+                        "--serve-arg=--enforce-eager (repeatable)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="requests to send (default 256, or every line of --prompts)")
+    p.add_argument("--prompt-min", type=int, default=128, help="shortest random prompt in tokens (default 128)")
+    p.add_argument("--prompt-max", type=int, default=1024, help="longest random prompt in tokens (default 1024)")
+    p.add_argument("--out-len", type=int, default=256, help="output tokens per request (default 256)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals (default 0, the peer's)")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="draw prompt ids from [1, VOCAB) (default: the model's vocab_size)")
+    p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
+                   help='send these prompts instead: one {"prompt": text or token ids} per line')
+    p.add_argument("--concurrency", type=int, default=None, help="at most N requests in flight (default: all)")
+    p.add_argument("--request-rate", type=float, default=None,
+                   help="Poisson arrivals at R requests/s (seeded) instead of all at once")
+    p.add_argument("--duration", type=float, default=None,
+                   help="with --request-rate: send what arrives in this many seconds")
+    p.add_argument("--warmup", type=int, default=1, help="untimed requests first (default 1)")
+    p.add_argument("--batch1", action="store_true",
+                   help="also one streamed request alone (128-token prompt): decode tokens/s")
+    p.add_argument("--vs-peer", action="store_true",
+                   help="also run the transformers peer on the same prompts, once the server is stopped")
+    p.add_argument("--peer", default=None,
+                   help="peer script (default ../shared/peer/hf_qwen2_serve_baseline.py, else .peer/)")
+    p.add_argument("--peer-model", default=None, help="the peer's shape: 0.5b, 1.5b or 7b (default: from the model)")
+    p.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds for the peer run (default 1800)")
+    p.add_argument("--start-timeout", type=float, default=900.0,
+                   help="seconds the started server may take to be ready (default 900)")
+    p.add_argument("--out", nargs="?", const="", default=None, metavar="FILE",
+                   help="write the JSON result to FILE (no FILE: bench/results/serve/<model>-<load>-<time>.json); "
+                        "default: stdout")
+    p.set_defaults(func=run_bench_serve)
+
+
+def run_bench_serve(a: argparse.Namespace) -> int:
+    import json
+    import os
+    import shlex
+
+    from rich.console import Console
+
+    from duoka.bench_serve import ServeBenchOptions, bench_serve, default_result_path, render
+
+    # The command as typed (`duoka` for the interpreter and script path); in-process callers get their argv.
+    argv = sys.argv[1:]
+    command = shlex.join(["duoka", *argv] if argv[:2] == ["bench", "serve"] else sys.argv)
+    o = ServeBenchOptions(
+        model=a.model, url=a.url, model_name=a.model_name, api_key=a.api_key or os.environ.get(SERVE_API_KEY_ENV),
+        serve_args=[x for arg in a.serve_arg for x in shlex.split(arg)], requests=a.requests,
+        prompt_min=a.prompt_min, prompt_max=a.prompt_max, out_len=a.out_len, seed=a.seed, vocab=a.vocab,
+        prompts=a.prompts, concurrency=a.concurrency, request_rate=a.request_rate, duration_s=a.duration,
+        warmup=a.warmup, batch1=a.batch1, vs_peer=a.vs_peer, peer=Path(a.peer) if a.peer else None,
+        peer_model=a.peer_model, peer_timeout_s=a.peer_timeout, start_timeout_s=a.start_timeout, command=command)
+    result = bench_serve(o, log=log)
+    render(result, Console(stderr=True))
+    text = json.dumps(result, indent=1)
+    if a.out is not None:
+        out = Path(a.out) if a.out else default_result_path(result)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text + "\n")
+        log(f"duoka: wrote {out}")
+    else:
+        print(text)
+    return 1 if a.vs_peer and result["vs_peer"] is None else 0  # the comparison asked for did not happen
 
 
 def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:

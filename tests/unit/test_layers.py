@@ -18,7 +18,7 @@ FLOORS = [
     ("duoka.monitor",),
     ("duoka.plan",),
     ("duoka.train", "duoka.serve"),
-    ("duoka.launcher", "duoka.doctor", "duoka.bench"),
+    ("duoka.launcher", "duoka.doctor", "duoka.bench", "duoka.bench_serve"),
     ("duoka.cli",),
 ]
 # Function-level imports of duoka code, each for start-up time: `duoka --help` and the quick

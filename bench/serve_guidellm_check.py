@@ -1,0 +1,167 @@
+"""An outside client agrees (issue 24): guidellm and `duoka bench serve` load the same server
+with the same shape of workload, and their output tokens/s must be within --tolerance.
+
+    python bench/serve_guidellm_check.py --model /tmp/duoka-models/qwen2-7b-random \\
+        --requests 256 --prompt-len 512 --out-len 256 --concurrency 64 --out $OUT/guidellm_check.json
+    python bench/serve_guidellm_check.py --url http://127.0.0.1:8000 --tokenizer MODEL_FOLDER ...
+
+The shape: every prompt --prompt-len tokens (ours random token ids; guidellm's synthetic text
+of that many tokens under the model's tokenizer), --out-len output tokens (ignore_eos, which
+guidellm sends once it knows the output length), greedy (guidellm sends no temperature, so
+the server's default would sample: its requests get temperature 0 through `extras`, the
+value `duoka bench serve` and `vllm bench serve` send), --concurrency streams, --requests
+requests. `duoka bench serve` runs first (its warm-up request warms the server for both).
+guidellm must read every stream without an error; the ratio of the two output rates is the
+result. Exit 0 when they agree, 1 when not, 2 on a setup error.
+
+guidellm: `$GUIDELLM` or `guidellm` on PATH (pip install guidellm, best in a venv of its own:
+python -m venv --system-site-packages V && V/bin/pip install guidellm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from duoka.bench_serve import StartedServer  # noqa: E402
+from duoka.errors import DuokaError  # noqa: E402
+from duoka.hub import bundled_model_dir, resolve_model_dir  # noqa: E402
+from duoka.serve.loadgen import server_models  # noqa: E402
+
+
+def find_guidellm(given: str | None = None) -> str | None:
+    return given or os.environ.get("GUIDELLM") or shutil.which("guidellm")
+
+
+def guidellm_command(guidellm: str, url: str, model: str, tokenizer: str, requests: int, prompt_len: int,
+                     out_len: int, concurrency: int, out_json: Path, api_key: str | None = None) -> list[str]:
+    backend = {"kind": "openai_http", "target": url, "model": model, "request_format": "/v1/completions",
+               "extras": {"body": {"temperature": 0}}, **({"api_key": api_key} if api_key else {})}
+    return [guidellm, "run", "--backend", json.dumps(backend), "--profile", f"kind=concurrent,streams={concurrency}",
+            "--constraint", f"kind=max_requests,count={requests}",
+            "--tokenizer", json.dumps({"kind": "huggingface_auto", "model": tokenizer}),
+            "--data", f"kind=synthetic_text,prompt_tokens={prompt_len},output_tokens={out_len}",
+            "--output", json.dumps({"kind": "json", "path": str(out_json)}), "--disable-console"]
+
+
+def read_guidellm(path: Path) -> dict:
+    """The figures of guidellm's one benchmark: its reported output tokens/s (the mean of
+    its rate series, which is total output tokens / duration), the request totals and the
+    output tokens of each completed request."""
+    bench = json.loads(path.read_text())["benchmarks"][0]
+    metrics = bench["metrics"]
+    done = bench["requests"]["successful"]
+    return {"output_tokens_per_s": metrics["output_tokens_per_second"]["successful"]["mean"],
+            "total_tokens_per_s": metrics["tokens_per_second"]["successful"]["mean"],
+            "duration_s": bench["duration"], "requests": metrics["request_totals"],
+            "output_tokens": [r["output_tokens"] for r in done], "prompt_tokens": [r["prompt_tokens"] for r in done],
+            "ttft_ms_median": metrics["time_to_first_token_ms"]["successful"]["median"],
+            "itl_ms_median": metrics["inter_token_latency_ms"]["successful"]["median"]}
+
+
+def check(url: str, model: str, tokenizer: str, guidellm: str, requests: int, prompt_len: int, out_len: int,
+          concurrency: int, tolerance: float, workers: int | None = None, api_key: str | None = None) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    ours_cmd = [sys.executable, "-m", "duoka.cli", "bench", "serve", "--url", url, "--model-name", model,
+                "--requests", str(requests), "--prompt-min", str(prompt_len), "--prompt-max", str(prompt_len),
+                "--out-len", str(out_len), "--concurrency", str(concurrency)]
+    config = Path(tokenizer) / "config.json"  # the random prompts' id range, when the server's name is no folder
+    if config.is_file():
+        ours_cmd += ["--vocab", str(json.loads(config.read_text())["vocab_size"])]
+    if api_key:
+        ours_cmd += ["--api-key", api_key]
+    ours_run = subprocess.run(ours_cmd, capture_output=True, text=True, env=env, cwd=ROOT)
+    if ours_run.returncode != 0:
+        raise DuokaError(f"duoka bench serve failed:\n{ours_run.stderr[-2000:]}", "run it by hand")
+    ours = json.loads(ours_run.stdout)
+    with tempfile.TemporaryDirectory(prefix="guidellm-") as tmp:
+        out_json = Path(tmp) / "guidellm.json"
+        cmd = guidellm_command(guidellm, url, model, tokenizer, requests, prompt_len, out_len, concurrency, out_json,
+                               api_key)
+        genv = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        if workers:  # on a CPU server, guidellm's worker processes poll and take cores from the server
+            genv["GUIDELLM__MAX_WORKER_PROCESSES"] = str(workers)
+        run = subprocess.run(cmd, capture_output=True, text=True, env=genv, cwd=tmp)
+        if run.returncode != 0 or not out_json.is_file():
+            raise DuokaError(f"guidellm failed ({run.returncode}):\n{(run.stderr or run.stdout)[-3000:]}",
+                             "run the guidellm command by hand: " + " ".join(cmd))
+        theirs = read_guidellm(out_json)
+    totals = theirs["requests"]
+    ratio = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
+    agree = (totals["errored"] == 0 and totals["incomplete"] == 0 and totals["successful"] == requests
+             and all(n == out_len for n in theirs["output_tokens"]) and abs(ratio - 1) <= tolerance)
+    return {"agree": agree, "ratio_ours_over_guidellm": ratio, "tolerance": tolerance,
+            "workload": {"requests": requests, "prompt_len": prompt_len, "out_len": out_len,
+                         "concurrency": concurrency},
+            "duoka_bench_serve": {k: ours[k] for k in ("output_tokens_per_s", "total_tokens_per_s", "wall_s",
+                                                       "completed", "failed", "ttft_ms", "itl_ms", "command")},
+            "guidellm": {**{k: v for k, v in theirs.items() if k not in ("output_tokens", "prompt_tokens")},
+                         "prompt_tokens_range": [min(theirs["prompt_tokens"], default=0),
+                                                 max(theirs["prompt_tokens"], default=0)],
+                         "command": " ".join(cmd)}}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--url", help="a running server")
+    where.add_argument("--model", help="start `duoka serve MODEL` (default: the bundled model)")
+    p.add_argument("--serve-arg", action="append", default=[], help="extra duoka serve flags (with --model)")
+    p.add_argument("--model-name", default=None, help="with --url: the name to send (default: the first model)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder for guidellm (default: the model's folder)")
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--out-len", type=int, default=256)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--tolerance", type=float, default=0.10)
+    p.add_argument("--guidellm", default=None, help="the guidellm executable (default: $GUIDELLM, then PATH)")
+    p.add_argument("--guidellm-workers", type=int, default=None,
+                   help="GUIDELLM__MAX_WORKER_PROCESSES (default: guidellm's, 10)")
+    p.add_argument("--api-key", default=os.environ.get("DUOKA_API_KEY"))
+    p.add_argument("--out", default=None, help="also write the JSON here")
+    a = p.parse_args()
+    guidellm = find_guidellm(a.guidellm)
+    if guidellm is None:
+        print("error: guidellm not found\n  fix: pip install guidellm (or set $GUIDELLM to its executable)",
+              file=sys.stderr)
+        return 2
+    server = None
+    try:
+        if a.url:
+            url = a.url.rstrip("/")
+        else:
+            server = StartedServer(a.model, [x for s in a.serve_arg for x in s.split()], 900,
+                                   log=lambda m: print(m, file=sys.stderr, flush=True))
+            url = server.url
+        served = server_models(url, a.api_key)
+        name = a.model_name or served[0]["id"]
+        folder = a.tokenizer or (str(resolve_model_dir(a.model)) if a.model else
+                                 name if Path(name).is_dir() else str(bundled_model_dir()) if server else None)
+        if folder is None:
+            raise DuokaError("guidellm needs the model's tokenizer", "pass --tokenizer MODEL_FOLDER")
+        result = check(url, name, folder, guidellm, a.requests, a.prompt_len, a.out_len, a.concurrency, a.tolerance,
+                       a.guidellm_workers, a.api_key)
+    except DuokaError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if server is not None:
+            server.stop()
+    text = json.dumps(result, indent=1)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+    return 0 if result["agree"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
