@@ -3,13 +3,13 @@ writes them, bf16, seed 0, with the bundled tokenizer), and the serving peer's w
 
 from __future__ import annotations
 
-import random
 import shutil
 from pathlib import Path
 
 import torch
 
 from duoka.hub import bundled_model_dir
+from duoka.serve.loadgen import random_prompts
 
 # The serving peer's shapes (../shared/peer/hf_qwen2_serve_baseline.py).
 SHAPES = {
@@ -45,7 +45,5 @@ def make_folder(shape: str, root: str | Path = "/tmp/duoka-models") -> Path:
 
 def peer_workload(requests: int = 256, prompt_min: int = 128, prompt_max: int = 1024, vocab: int = 151936,
                   seed: int = 0) -> list[list[int]]:
-    """The peer script's prompts: lengths uniform in [prompt_min, prompt_max], random ids (seed 0)."""
-    rng = random.Random(seed)
-    lens = [rng.randint(prompt_min, prompt_max) for _ in range(requests)]
-    return [[rng.randrange(1, vocab) for _ in range(n)] for n in lens]
+    """The peer script's prompts (the same generator as `duoka bench serve`'s)."""
+    return random_prompts(requests, prompt_min, prompt_max, vocab, seed)
