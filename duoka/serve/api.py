@@ -443,8 +443,13 @@ class _Server:
         return {"id": prepared.request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": created, "model": self.model_name, "choices": [choice], "usage": _usage(last)}
 
+    # Both SSE generators write every event that has arrived for their request at once (one
+    # send, one socket write, when the event loop fell a few engine steps behind), and build
+    # the common event (a text delta, no logprobs, not the last) from a template made once
+    # per request, encoding only the text: the bytes are those _sse() would make of the
+    # whole object (tests/unit/test_serve_api_unit.py compares them).
     async def _chat_events(self, stream: RequestStream, request_id: str, created: int, include_usage: bool,
-                           want_logprobs: bool) -> AsyncIterator[str]:
+                           want_logprobs: bool) -> AsyncIterator[str | bytes]:
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         if include_usage:
             base["usage"] = None  # OpenAI: every chunk has usage null but the last one
@@ -453,17 +458,30 @@ class _Server:
             return _sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
                                               "finish_reason": finish_reason}]})
 
+        template = None if want_logprobs else _template(
+            {**base, "choices": [{"index": 0, "delta": {"content": _HOLE}, "logprobs": None, "finish_reason": None}]})
         last = None
         try:
-            async for out in stream:
-                if last is None:
-                    yield chunk({"role": "assistant", "content": ""})
-                last = out
-                if not (out.new_text or out.finished or (want_logprobs and out.new_logprobs)):
-                    continue  # text held back (a partial character, a possible stop string)
-                logprobs = {"content": self._chat_logprobs(out.new_logprobs or [])} if want_logprobs else None
-                yield chunk({"content": out.new_text} if out.new_text else {}, logprobs,
-                            out.finish_reason if out.finished else None)
+            while True:
+                try:
+                    outs = await stream.next_batch()
+                except StopAsyncIteration:
+                    break
+                events = []
+                for out in outs:
+                    if last is None:
+                        events.append(chunk({"role": "assistant", "content": ""}))
+                    last = out
+                    if template is not None and out.new_text and not out.finished:
+                        events.append(f"{template[0]}{_encode_str(out.new_text)}{template[1]}")
+                        continue
+                    if not (out.new_text or out.finished or (want_logprobs and out.new_logprobs)):
+                        continue  # text held back (a partial character, a possible stop string)
+                    logprobs = {"content": self._chat_logprobs(out.new_logprobs or [])} if want_logprobs else None
+                    events.append(chunk({"content": out.new_text} if out.new_text else {}, logprobs,
+                                        out.finish_reason if out.finished else None))
+                if events:
+                    yield "".join(events).encode()
         except (EngineError, ServerBusy) as e:
             yield _sse(_failure_body(e))
             yield "data: [DONE]\n\n"
@@ -475,22 +493,36 @@ class _Server:
         yield "data: [DONE]\n\n"
 
     async def _completion_events(self, stream: RequestStream, request_id: str, created: int, include_usage: bool,
-                                 want_logprobs: bool) -> AsyncIterator[str]:
+                                 want_logprobs: bool) -> AsyncIterator[str | bytes]:
         base = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
         if include_usage:
             base["usage"] = None
+        template = None if want_logprobs else _template(
+            {**base, "choices": [{"index": 0, "text": _HOLE, "logprobs": None, "finish_reason": None}]})
         last, offset = None, 0
         try:
-            async for out in stream:
-                last = out
-                if not (out.new_text or out.finished or (want_logprobs and out.new_logprobs)):
-                    continue
-                logprobs = None
-                if want_logprobs:
-                    logprobs = self._completion_logprobs(out.new_logprobs or [], offset)
-                offset += len(out.new_text)
-                yield _sse({**base, "choices": [{"index": 0, "text": out.new_text, "logprobs": logprobs,
-                                                 "finish_reason": out.finish_reason if out.finished else None}]})
+            while True:
+                try:
+                    outs = await stream.next_batch()
+                except StopAsyncIteration:
+                    break
+                events = []
+                for out in outs:
+                    last = out
+                    if template is not None and out.new_text and not out.finished:
+                        events.append(f"{template[0]}{_encode_str(out.new_text)}{template[1]}")
+                        continue
+                    if not (out.new_text or out.finished or (want_logprobs and out.new_logprobs)):
+                        continue
+                    logprobs = None
+                    if want_logprobs:
+                        logprobs = self._completion_logprobs(out.new_logprobs or [], offset)
+                    offset += len(out.new_text)
+                    events.append(_sse({**base, "choices": [{"index": 0, "text": out.new_text, "logprobs": logprobs,
+                                                             "finish_reason": out.finish_reason if out.finished
+                                                             else None}]}))
+                if events:
+                    yield "".join(events).encode()
         except (EngineError, ServerBusy) as e:
             yield _sse(_failure_body(e))
             yield "data: [DONE]\n\n"
@@ -601,5 +633,21 @@ def _finite(value: float) -> float:
     return value if math.isfinite(value) else LOGPROB_FLOOR
 
 
+# What json.dumps(obj, ensure_ascii=False, separators=(",", ":")) builds per call, built once
+# (the encoder keeps no state between calls), and the string encoder it applies to every str.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+_encode_str = json.encoder.encode_basestring
+# A stand-in for the text in an event template: private-use characters, which no request id
+# or model name of ours contains (a template is refused, not misbuilt, if one does).
+_HOLE = "\ue000duoka-text\ue001"
+
+
 def _sse(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {_ENCODER.encode(obj)}\n\n"
+
+
+def _template(obj: dict) -> tuple[str, str] | None:
+    """_sse(obj) split around the one string value _HOLE: an event with text T is then
+    before + _encode_str(T) + after, byte for byte what _sse() makes of obj holding T."""
+    parts = _sse(obj).split(_encode_str(_HOLE))
+    return (parts[0], parts[1]) if len(parts) == 2 else None

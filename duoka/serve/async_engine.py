@@ -2,7 +2,7 @@
 
 The LLMEngine is not thread-safe, so exactly one thread (the engine thread) ever touches it:
 coroutines hand their adds and aborts over through an inbox, and the thread applies them
-between two steps. Outputs travel back per request through an asyncio.Queue, one
+between two steps. Outputs travel back per request through a RequestStream (a deque and a waiter), one
 call_soon_threadsafe per event loop and step (not per token). With no work the thread
 sleeps on a condition variable; it never spins.
 
@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 import traceback
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 
 import torch
@@ -103,31 +103,69 @@ class RequestStream:
     """One request's outputs (RequestOutput deltas), in order; ends after the finished one.
 
     Leaving it early (the consumer is cancelled, or calls abort()/aclose()) aborts the
-    request in the engine, which frees its KV blocks at once."""
+    request in the engine, which frees its KV blocks at once.
+
+    Its channel is a deque and one waiter future rather than an asyncio.Queue: an SSE stream
+    takes one item per token, and the queue's bookkeeping (unfinished-task counts, an Event,
+    a getter deque) was per-token work on the event loop, under the GIL the engine needs."""
 
     def __init__(self, owner: AsyncEngine, request_id: str):
         self.request_id = request_id
         self._owner = owner
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self._items: deque = deque()
+        self._waiter: asyncio.Future | None = None
         self._ended = False
 
     def __aiter__(self) -> RequestStream:
         return self
 
+    async def _wait(self) -> None:
+        while not self._items:
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                self.abort()
+                raise
+            finally:
+                self._waiter = None
+
     async def __anext__(self) -> RequestOutput:
         if self._ended:
             raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except asyncio.CancelledError:
-            self.abort()
-            raise
+        if not self._items:
+            await self._wait()
+        item = self._items.popleft()
         if isinstance(item, BaseException):
             self._ended = True
             raise item
         if item.finished:
             self._ended = True
         return item
+
+    async def next_batch(self) -> list[RequestOutput]:
+        """Every output that has arrived (at least one; waits for it), in order: what a
+        consumer that fell behind by a few steps can write at once. An error after some
+        outputs is raised by the next call, after they are handed over. Raises
+        StopAsyncIteration once the stream has ended."""
+        if self._ended:
+            raise StopAsyncIteration
+        if not self._items:
+            await self._wait()
+        items, batch = self._items, []
+        while items:
+            item = items[0]
+            if isinstance(item, BaseException):
+                if batch:
+                    break  # raised by the next call
+                items.popleft()
+                self._ended = True
+                raise item
+            batch.append(items.popleft())
+            if item.finished:
+                self._ended = True
+                break
+        return batch
 
     def abort(self) -> None:
         if not self._ended:
@@ -138,7 +176,10 @@ class RequestStream:
         self.abort()
 
     def _put(self, item) -> None:
-        self._queue.put_nowait(item)
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
 
 class AsyncEngine:
@@ -321,8 +362,10 @@ class AsyncEngine:
         now = time.monotonic()
         deliveries = defaultdict(list)
         finished = 0
+        gaps = []  # inter-token latencies, observed together after the loop
+        lives = self._live
         for out in outputs:
-            live = self._live.get(out.request_id)
+            live = lives.get(out.request_id)
             if live is None:
                 continue
             n = len(out.new_token_ids)
@@ -330,8 +373,10 @@ class AsyncEngine:
                 if live.first_token is None:
                     live.first_token = now
                     self.metrics.observe_first_token(now - live.arrival)
-                else:
-                    self.metrics.observe_inter_token(now - live.last_token, n)
+                elif n == 1:
+                    gaps.append(now - live.last_token)
+                else:  # n tokens together: each gets gap / n, as observe_inter_token does
+                    gaps.extend([(now - live.last_token) / n] * n)
                 live.last_token = now
             if out.finished:
                 del self._live[out.request_id]
@@ -340,6 +385,7 @@ class AsyncEngine:
             if live.stream is not None:
                 deliveries[live.loop].append((live.stream, out))
         self._deliver(deliveries)
+        self.metrics.observe_inter_tokens(gaps)
         stats = self.engine.stats()
         with self._cv:
             self._in_flight -= finished

@@ -96,6 +96,12 @@ class ServeMetrics:
         for _ in range(count):
             self.inter_token_latency.observe(seconds / count)
 
+    def observe_inter_tokens(self, seconds: list[float]) -> None:
+        """Many inter-token gaps at once (one engine step's)."""
+        observe = self.inter_token_latency.observe
+        for value in seconds:
+            observe(value)
+
     def observe_finished(self, reason: str | None, e2e_seconds: float) -> None:
         if reason not in self.request_success:  # a reason this file does not list still gets counted
             self.request_success[reason] = self._success.labels(self.model_name, str(reason))
