@@ -400,7 +400,8 @@ def _render_bench(bench: dict, console) -> None:
 
 
 def add_bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="training throughput, MFU, memory and step breakdown (optionally vs the peer)",
+    p = sub.add_parser("bench", help="training throughput, MFU and memory; `bench serve`: serving throughput and "
+                                     "latency (both optionally vs the peer)",
                        description="Runs duoka train on random tokens for warm-up + timed steps on the visible "
                                    "GPUs and reports tokens/s/GPU, MFU, peak memory and the step-time breakdown. "
                                    "`duoka bench serve` measures serving instead.")
