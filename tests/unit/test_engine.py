@@ -164,3 +164,66 @@ def test_compiled_blocks_stay_within_the_recompile_limit(model_folder):
     torch._dynamo.reset()  # later tests count their own compilations
     assert results[True] == results[False]
     assert 0 < graphs <= torch._dynamo.config.recompile_limit - 2, graphs
+
+
+def _drive(engine, requests, rng=None):
+    """Run requests to the end (joining a few per step and aborting now and then when rng is
+    given); -> {id: (text, token ids, finish reason)}."""
+    got, pending, live = {}, list(requests), []
+    while pending or engine.has_unfinished():
+        for _ in range(rng.randint(0, 3) if rng else len(pending)):
+            if pending:
+                rid, prompt, params = pending.pop(0)
+                engine.add_request(rid, prompt, params)
+                live.append(rid)
+        if rng and live and rng.random() < 0.04:
+            engine.abort(rng.choice(live))
+        for out in engine.step():
+            text, ids, _ = got.get(out.request_id, ("", [], None))
+            got[out.request_id] = (text + out.new_text, ids + out.new_token_ids, out.finish_reason)
+    return got
+
+
+def _random_workload(trial: int):
+    """10 requests with random sampling settings (greedy or seeded, top-k/p, penalties, stop
+    strings, eos or not), half of them sharing a prefix."""
+    import random
+
+    rng = random.Random(trial)
+    shared = [rng.randrange(1, 4096) for _ in range(rng.randint(8, 40))]
+    requests = []
+    for i in range(10):
+        prompt = (shared if rng.random() < 0.5 else []) + [rng.randrange(1, 4096) for _ in range(rng.randint(1, 40))]
+        kw = dict(max_tokens=rng.randint(1, 16), temperature=rng.choice([0.0, 0.7, 1.0]), seed=rng.randrange(1000),
+                  ignore_eos=rng.random() < 0.5)
+        if rng.random() < 0.3:
+            kw.update(top_p=rng.choice([0.3, 0.9]), top_k=rng.choice([1, 5, 50]))
+        if rng.random() < 0.4:
+            kw["stop"] = rng.sample(["the", " of", "\n", ".", "s "], 2)
+        if rng.random() < 0.3:
+            kw.update(presence_penalty=rng.uniform(-2, 2), frequency_penalty=rng.uniform(-2, 2))
+        requests.append((f"q{i}", prompt, SamplingParams(**kw)))
+    return requests
+
+
+def test_random_workloads_give_each_request_its_solo_result():
+    """Random workloads joining at random steps, some requests aborted, in a cache of 32 blocks
+    of 4 tokens (room for one 128-token request) with small chunks: every request that was
+    not aborted gets what it gets alone; some of them went through preemption."""
+    import random
+
+    options = dict(device="cpu", max_model_len=128, block_size=4, log=lambda m: None)
+    solo = LLMEngine(None, max_num_seqs=1, **options)
+    preemptions = 0
+    for trial in range(4):
+        requests = _random_workload(trial)
+        engine = LLMEngine(None, max_num_seqs=8, max_num_batched_tokens=[7, 64][trial % 2], num_kv_blocks=32, **options)
+        busy = _drive(engine, requests, random.Random(1000 + trial))
+        preemptions += engine.stats().num_preemptions
+        compared = 0
+        for rid, prompt, params in requests:
+            if busy[rid][2] != "abort":
+                assert busy[rid] == _drive(solo, [(rid, prompt, params)])[rid], (trial, rid)
+                compared += 1
+        assert compared >= 6
+    assert preemptions > 0
