@@ -33,7 +33,7 @@ import traceback
 import uuid
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, AsyncIterator, Literal
+from typing import Any, AsyncIterator, Callable, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -448,8 +448,8 @@ class _Server:
     # the common event (a text delta, no logprobs, not the last) from a template made once
     # per request, encoding only the text: the bytes are those _sse() would make of the
     # whole object (tests/unit/test_serve_api_unit.py compares them).
-    async def _chat_events(self, stream: RequestStream, request_id: str, created: int, include_usage: bool,
-                           want_logprobs: bool) -> AsyncIterator[str | bytes]:
+    def _chat_events(self, stream: RequestStream, request_id: str, created: int, include_usage: bool,
+                     want_logprobs: bool) -> AsyncIterator[str | bytes]:
         base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": self.model_name}
         if include_usage:
             base["usage"] = None  # OpenAI: every chunk has usage null but the last one
@@ -460,6 +460,45 @@ class _Server:
 
         template = None if want_logprobs else _template(
             {**base, "choices": [{"index": 0, "delta": {"content": _HOLE}, "logprobs": None, "finish_reason": None}]})
+
+        def render(out: RequestOutput, first: bool) -> list[str]:
+            events = [chunk({"role": "assistant", "content": ""})] if first else []
+            if template is not None and out.new_text and not out.finished:
+                events.append(f"{template[0]}{_encode_str(out.new_text)}{template[1]}")
+            elif out.new_text or out.finished or (want_logprobs and out.new_logprobs):  # else text held back
+                logprobs = {"content": self._chat_logprobs(out.new_logprobs or [])} if want_logprobs else None
+                events.append(chunk({"content": out.new_text} if out.new_text else {}, logprobs,
+                                    out.finish_reason if out.finished else None))
+            return events
+
+        return self._events(stream, base, include_usage, render)
+
+    def _completion_events(self, stream: RequestStream, request_id: str, created: int, include_usage: bool,
+                           want_logprobs: bool) -> AsyncIterator[str | bytes]:
+        base = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
+        if include_usage:
+            base["usage"] = None
+        template = None if want_logprobs else _template(
+            {**base, "choices": [{"index": 0, "text": _HOLE, "logprobs": None, "finish_reason": None}]})
+        offset = 0  # characters streamed so far: the logprobs' text offsets
+
+        def render(out: RequestOutput, first: bool) -> list[str]:
+            nonlocal offset
+            if template is not None and out.new_text and not out.finished:
+                return [f"{template[0]}{_encode_str(out.new_text)}{template[1]}"]
+            if not (out.new_text or out.finished or (want_logprobs and out.new_logprobs)):
+                return []
+            logprobs = self._completion_logprobs(out.new_logprobs or [], offset) if want_logprobs else None
+            offset += len(out.new_text)
+            return [_sse({**base, "choices": [{"index": 0, "text": out.new_text, "logprobs": logprobs,
+                                               "finish_reason": out.finish_reason if out.finished else None}]})]
+
+        return self._events(stream, base, include_usage, render)
+
+    async def _events(self, stream: RequestStream, base: dict, include_usage: bool,
+                      render: Callable[[RequestOutput, bool], list[str]]) -> AsyncIterator[str | bytes]:
+        """One streamed request's SSE body: render(output, first) gives each output's events;
+        then the usage event (when asked) and [DONE]. A failure mid-stream is an error event."""
         last = None
         try:
             while True:
@@ -469,17 +508,8 @@ class _Server:
                     break
                 events = []
                 for out in outs:
-                    if last is None:
-                        events.append(chunk({"role": "assistant", "content": ""}))
+                    events += render(out, last is None)
                     last = out
-                    if template is not None and out.new_text and not out.finished:
-                        events.append(f"{template[0]}{_encode_str(out.new_text)}{template[1]}")
-                        continue
-                    if not (out.new_text or out.finished or (want_logprobs and out.new_logprobs)):
-                        continue  # text held back (a partial character, a possible stop string)
-                    logprobs = {"content": self._chat_logprobs(out.new_logprobs or [])} if want_logprobs else None
-                    events.append(chunk({"content": out.new_text} if out.new_text else {}, logprobs,
-                                        out.finish_reason if out.finished else None))
                 if events:
                     yield "".join(events).encode()
         except (EngineError, ServerBusy) as e:
@@ -488,47 +518,6 @@ class _Server:
             return
         finally:
             stream.abort()  # a no-op once finished; a client that left gets its request aborted here
-        if include_usage and last is not None:
-            yield _sse({**base, "choices": [], "usage": _usage(last)})
-        yield "data: [DONE]\n\n"
-
-    async def _completion_events(self, stream: RequestStream, request_id: str, created: int, include_usage: bool,
-                                 want_logprobs: bool) -> AsyncIterator[str | bytes]:
-        base = {"id": request_id, "object": "text_completion", "created": created, "model": self.model_name}
-        if include_usage:
-            base["usage"] = None
-        template = None if want_logprobs else _template(
-            {**base, "choices": [{"index": 0, "text": _HOLE, "logprobs": None, "finish_reason": None}]})
-        last, offset = None, 0
-        try:
-            while True:
-                try:
-                    outs = await stream.next_batch()
-                except StopAsyncIteration:
-                    break
-                events = []
-                for out in outs:
-                    last = out
-                    if template is not None and out.new_text and not out.finished:
-                        events.append(f"{template[0]}{_encode_str(out.new_text)}{template[1]}")
-                        continue
-                    if not (out.new_text or out.finished or (want_logprobs and out.new_logprobs)):
-                        continue
-                    logprobs = None
-                    if want_logprobs:
-                        logprobs = self._completion_logprobs(out.new_logprobs or [], offset)
-                    offset += len(out.new_text)
-                    events.append(_sse({**base, "choices": [{"index": 0, "text": out.new_text, "logprobs": logprobs,
-                                                             "finish_reason": out.finish_reason if out.finished
-                                                             else None}]}))
-                if events:
-                    yield "".join(events).encode()
-        except (EngineError, ServerBusy) as e:
-            yield _sse(_failure_body(e))
-            yield "data: [DONE]\n\n"
-            return
-        finally:
-            stream.abort()
         if include_usage and last is not None:
             yield _sse({**base, "choices": [], "usage": _usage(last)})
         yield "data: [DONE]\n\n"
