@@ -559,10 +559,6 @@ def launch_serving(engine_options: dict, server_options: dict, tp: int = 1, log=
     model = engine_options.get("model")
     folder = resolve_model_dir(model) if model is not None else bundled_model_dir()
     check_tp_size(read_config(folder), tp)
-    host, port = server_options["host"], server_options["port"]
-    if not port_is_free(host, port):
-        raise DuokaError(f"{host}:{port} is already in use (another server?)",
-                         f"stop the other process, or pick another port: --port {port + 1}")
     # The ranks load the resolved folder; clients keep calling the model by the name given.
     name = engine_options.get("served_model_name") or model or BUNDLED_MODEL_NAME
     engine_options = {**engine_options, "model": str(folder), "served_model_name": name}
@@ -581,16 +577,18 @@ def _run_serving_workers(engine_options: dict, server_options: dict, tp: int, lo
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from duoka.parallel.devices import read_gpus
+    from duoka.parallel.devices import read_gpus, visible_indices
     from duoka.serve.worker import serve_worker_main
 
+    host, port = server_options["host"], server_options["port"]
+    if not port_is_free(host, port):  # now: rank 0's serve() would find it only after every rank has loaded
+        raise DuokaError(f"{host}:{port} is already in use (another server?)",
+                         f"stop the other process, or pick another port: --port {port + 1}")
     gpus = read_gpus(check_torch=False)
     if gpus and engine_options.get("device") not in (None, "cuda"):
         raise DuokaError(f"--tp {tp} with --device {engine_options['device']}: each rank takes its own GPU",
                          "leave --device out (or give --device cuda); without GPUs the ranks run on the CPU")
-    visible = len(gpus)
-    if gpus and os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
-        visible = len([d for d in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()])
+    visible = len(visible_indices(os.environ.get("CUDA_VISIBLE_DEVICES"), gpus))
     if gpus and tp > visible:
         raise DuokaError(f"--tp {tp} needs {tp} GPUs; {visible} are visible",
                          f"lower --tp to {visible} or less, or make more GPUs visible (CUDA_VISIBLE_DEVICES)")

@@ -8,8 +8,9 @@ them), and only rank 0 reads the logits.
 
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
@@ -41,23 +42,47 @@ class StepInputs:
     max_context_len: int
     prefill_context: int  # context tokens of the sequences after the decodes, in all
 
+    def sizes(self) -> tuple[int, int, int, int]:
+        """(T, B, max_blocks, S): every array's shape follows from these (array_shapes)."""
+        b, max_blocks = self.block_tables.shape
+        return self.token_ids.numel(), b, max_blocks, self.logits_indices.numel()
+
+    def packed(self) -> torch.Tensor:
+        """The arrays back to back as one int32 tensor, the form in which they travel (to the
+        device, to the other tensor-parallel ranks): every value is a token id, a position, a
+        length or a block or slot index, none near 2^31, and int32 halves the bytes."""
+        return torch.cat([getattr(self, name).reshape(-1).to(torch.int32) for name in ARRAY_DTYPES])
+
+    @classmethod
+    def unpack(cls, packed: torch.Tensor, sizes: tuple[int, int, int, int], scalars: dict[str, int]) -> StepInputs:
+        """The inverse of packed(), on packed's device."""
+        shapes = array_shapes(*sizes)
+        parts = packed.split([math.prod(shape) for shape in shapes])
+        arrays = {name: part.view(shape).to(dtype)
+                  for (name, dtype), part, shape in zip(ARRAY_DTYPES.items(), parts, shapes)}
+        return cls(**arrays, **scalars)
+
+    def scalars(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in SCALARS}
+
     def to(self, device: torch.device) -> StepInputs:
-        """The same inputs on `device`, moved in one copy: the arrays travel packed as one
-        int32 tensor (every value fits) and are split and widened there. Seven small copies,
-        each from freshly pinned memory, cost more than a batch-1 decode step."""
+        """The same inputs on `device`, moved in one copy (packed): seven small copies, each
+        from freshly pinned memory, cost more than a batch-1 decode step."""
         if device.type == "cpu":
             return self
-        arrays = [getattr(self, name) for name in _ARRAYS]
-        packed = torch.cat([a.reshape(-1).to(torch.int32) for a in arrays]).to(device)
-        moved, at = {}, 0
-        for name, a in zip(_ARRAYS, arrays):
-            moved[name] = packed[at:at + a.numel()].view(a.shape).to(a.dtype)
-            at += a.numel()
-        return StepInputs(**moved, max_query_len=self.max_query_len, num_decodes=self.num_decodes,
-                          max_context_len=self.max_context_len, prefill_context=self.prefill_context)
+        return StepInputs.unpack(self.packed().to(device), self.sizes(), self.scalars())
 
 
-_ARRAYS = [f.name for f in fields(StepInputs) if f.type == "torch.Tensor"]
+# StepInputs' arrays with their dtypes (PagedBatch's), in packing order, and its integers.
+ARRAY_DTYPES = {"token_ids": torch.int64, "positions": torch.int64, "slot_mapping": torch.int64,
+                "block_tables": torch.int32, "context_lens": torch.int32, "query_start": torch.int32,
+                "logits_indices": torch.int64}
+SCALARS = ("max_query_len", "num_decodes", "max_context_len", "prefill_context")
+
+
+def array_shapes(t: int, b: int, max_blocks: int, s: int) -> list[tuple[int, ...]]:
+    """The arrays' shapes, in ARRAY_DTYPES' order, for T tokens, B sequences and S logits rows."""
+    return [(t,), (t,), (t,), (b, max_blocks), (b,), (b + 1,), (s,)]
 
 
 def decode_first(items: list[ScheduledItem]) -> list[ScheduledItem]:

@@ -14,31 +14,20 @@ only, so nothing of it travels.
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from duoka.serve.runner import StepInputs
+from duoka.serve.runner import SCALARS, StepInputs, array_shapes
 
 STEP, SHUTDOWN = 1, 2  # header[0]
-# The arrays in packing order with their dtypes (PagedBatch's); each length follows from
-# the header's T, B, max_blocks and S. They travel as int32, half the bytes of int64 (a
-# decode step of 256 sequences with 128-block tables is 33k values): every value is a token
-# id, a position, a length or a block or slot index, and no cache holds 2^31 token slots.
-TENSOR_FIELDS = (("token_ids", torch.int64), ("positions", torch.int64), ("slot_mapping", torch.int64),
-                 ("block_tables", torch.int32), ("context_lens", torch.int32), ("query_start", torch.int32),
-                 ("logits_indices", torch.int64))
-SCALAR_FIELDS = ("max_query_len", "num_decodes", "max_context_len", "prefill_context")
-# header: command, T, B, max_blocks, S, then SCALAR_FIELDS; the rest is spare room, so a new
+# header: command, T, B, max_blocks, S (StepInputs.sizes), then StepInputs' SCALARS; the rest is spare room, so a new
 # scalar does not change the message's size.
 HEADER_LEN = 16
 # A server may sit idle for weeks; its other ranks wait for the next step all that time.
 IDLE_TIMEOUT = timedelta(days=365)
-
-
-def _lengths(t: int, b: int, max_blocks: int, s: int) -> list[int]:
-    return [t, t, t, b * max_blocks, b, b + 1, s]
 
 
 def _transport(group: dist.ProcessGroup | None) -> torch.device:
@@ -65,13 +54,10 @@ def broadcast_step(inputs: StepInputs | None, group: dist.ProcessGroup | None) -
         header[0] = SHUTDOWN
         dist.broadcast(header.to(device), group=group, group_src=0)
         return
-    b, max_blocks = inputs.block_tables.shape
-    values = [STEP, inputs.token_ids.numel(), b, max_blocks, inputs.logits_indices.numel(),
-              *(getattr(inputs, name) for name in SCALAR_FIELDS)]
+    values = [STEP, *inputs.sizes(), *inputs.scalars().values()]
     header[:len(values)] = torch.tensor(values)
-    payload = torch.cat([getattr(inputs, name).reshape(-1).to(torch.int32) for name, _ in TENSOR_FIELDS])
     dist.broadcast(header.to(device), group=group, group_src=0)
-    dist.broadcast(payload.to(device), group=group, group_src=0)
+    dist.broadcast(inputs.packed().to(device), group=group, group_src=0)
 
 
 def receive_step(group: dist.ProcessGroup | None) -> StepInputs | None:
@@ -79,17 +65,15 @@ def receive_step(group: dist.ProcessGroup | None) -> StepInputs | None:
     device = _transport(group)
     header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
     dist.broadcast(header, group=group, group_src=0)
-    command, t, b, max_blocks, s, *scalars = header[:5 + len(SCALAR_FIELDS)].tolist()
+    command, *sizes = header[:5].tolist()
+    scalars = dict(zip(SCALARS, header[5:5 + len(SCALARS)].tolist()))
     if command == SHUTDOWN:
         return None
     if command != STEP:
         raise RuntimeError(f"tp worker received unknown command {command} from rank 0")
-    lengths = _lengths(t, b, max_blocks, s)
-    payload = torch.empty(sum(lengths), dtype=torch.int32, device=device)
+    payload = torch.empty(sum(math.prod(shape) for shape in array_shapes(*sizes)), dtype=torch.int32, device=device)
     dist.broadcast(payload, group=group, group_src=0)
-    arrays = {name: part.to(dtype) for (name, dtype), part in zip(TENSOR_FIELDS, payload.split(lengths))}
-    arrays["block_tables"] = arrays["block_tables"].view(b, max_blocks)
-    return StepInputs(**arrays, **dict(zip(SCALAR_FIELDS, scalars)))
+    return StepInputs.unpack(payload, tuple(sizes), scalars)
 
 
 def worker_loop(runner, group: dist.ProcessGroup | None) -> None:

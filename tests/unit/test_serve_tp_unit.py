@@ -21,8 +21,8 @@ from duoka.parallel.serve_tp import (
     shard_args,
     valid_tp_sizes,
 )
-from duoka.serve.runner import StepInputs
-from duoka.serve.tp import HEADER_LEN, SCALAR_FIELDS, TENSOR_FIELDS
+from duoka.serve.runner import ARRAY_DTYPES, SCALARS, StepInputs
+from duoka.serve.tp import HEADER_LEN
 
 
 def test_qwen2_1_5b_splits_over_4_with_replicated_kv_heads_but_not_over_5():
@@ -73,5 +73,5 @@ def test_a_checkpoint_of_another_shape_is_refused_before_loading(tmp_path):
 def test_every_step_input_travels_to_the_other_ranks():
     """A field added to StepInputs must be added to the tp message too (or the workers
     would run without it)."""
-    assert {f.name for f in fields(StepInputs)} == {name for name, _ in TENSOR_FIELDS} | set(SCALAR_FIELDS)
-    assert 5 + len(SCALAR_FIELDS) <= HEADER_LEN
+    assert {f.name for f in fields(StepInputs)} == set(ARRAY_DTYPES) | set(SCALARS)
+    assert 5 + len(SCALARS) <= HEADER_LEN

@@ -49,12 +49,15 @@ class PagedBatch:
     decode_splits: int = 1
     prefill_context: int = 0
     max_context_len: int = 0
+    # The sizes above as one host tensor, the form in which they enter the attention operator:
+    # a compiled graph that read the integers would specialise on their values. Made once per
+    # step (for_layer's copies share it).
+    sizes: torch.Tensor | None = None
 
     def __post_init__(self):
-        # The sizes above as one host tensor, the form in which they enter the attention
-        # operator: a compiled graph that read the integers would specialise on their values.
-        self.sizes = torch.tensor([self.max_query_len, self.num_decodes, self.decode_splits, self.prefill_context,
-                                   self.max_context_len])
+        if self.sizes is None:
+            self.sizes = torch.tensor([self.max_query_len, self.num_decodes, self.decode_splits, self.prefill_context,
+                                       self.max_context_len])
 
     @property
     def block_size(self) -> int:
@@ -165,7 +168,7 @@ def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
                         backend: str) -> torch.Tensor:
     max_query_len, num_decodes, decode_splits, prefill_context, max_context_len = sizes.tolist()
     batch = PagedBatch([k_cache], [v_cache], slot_mapping, block_tables, context_lens, query_start, max_query_len,
-                       slot_mapping[:0], backend, num_decodes, decode_splits, prefill_context, max_context_len)
+                       slot_mapping[:0], backend, num_decodes, decode_splits, prefill_context, max_context_len, sizes)
     write_kv(k_cache, v_cache, k[0].transpose(0, 1), v[0].transpose(0, 1), slot_mapping)
     q = q[0].transpose(0, 1)  # [T, heads, head_dim]
     if backend == "reference":
