@@ -2,8 +2,8 @@
 
     python bench/serve_gpu_check.py --out $OUT/serve_gpu_check.json [--shape 0.5b]
 
-1. The cuda attention backend (Triton decode kernel, flash varlen prefill) against the
-   reference kernel on random paged batches of mixed decodes and prefill chunks, bf16,
+1. The cuda attention backend (Triton cache write, decode and merge kernels, flash varlen
+   prefill) against the reference kernel (outputs; caches to the last bit) on random paged batches of mixed decodes and prefill chunks, bf16,
    for the 7B, 1.5B and 0.5B head layouts and several context splits.
 2. Teacher-forced logits of a random Qwen2 of the given shape (bf16): a prefill of B
    prompts, then decode steps of given tokens, run by the ModelRunner as the engine runs
@@ -42,7 +42,8 @@ from duoka.serve.params import SamplingParams  # noqa: E402
 from duoka.serve.runner import CacheShape, ModelRunner, StepInputs  # noqa: E402
 
 
-def kernel_check(heads: int, kv_heads: int, head_dim: int, splits: int, seed: int) -> float:
+def kernel_check(heads: int, kv_heads: int, head_dim: int, splits: int, seed: int) -> tuple[float, float]:
+    """(largest output difference, largest cache difference) of the two backends."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     rng = random.Random(seed)
     block, num_blocks = 16, 4096
@@ -78,13 +79,15 @@ def kernel_check(heads: int, kv_heads: int, head_dim: int, splits: int, seed: in
                   context_lens=torch.tensor(context, dtype=torch.int32, device="cuda"),
                   query_start=torch.tensor(starts, dtype=torch.int32, device="cuda"), max_query_len=max(q_lens),
                   logits_indices=torch.arange(total, device="cuda"))
-    outs = []
+    outs, caches = [], []
     for backend in ("reference", "cuda"):
         batch = PagedBatch([k_cache.clone()], [v_cache.clone()], backend=backend, num_decodes=len(decodes),
                            decode_splits=splits, prefill_context=sum(context[len(decodes):]),
                            max_context_len=max(context), **common)
         outs.append(paged_attention(q, k, v, batch).float())
-    return (outs[0] - outs[1]).abs().max().item()
+        caches.append((batch.k_caches[0], batch.v_caches[0]))
+    cache_diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(*caches))
+    return (outs[0] - outs[1]).abs().max().item(), cache_diff
 
 
 def forced_logits(folder: Path, options: ModelOptions, cuda_graphs: bool, tp_hooks: bool,
@@ -131,10 +134,12 @@ def logits_check(folder: Path) -> dict:
         plain = model(tokens.cuda())[:, prompt_len - 1:-1].float()
     del model
     torch.cuda.empty_cache()
+    packed = ModelOptions(packed_projections=True)
     configs = {"eager": (ModelOptions(), False, False),
+               "eager+packed": (packed, False, False),
                "compiled": (ModelOptions(compile="block"), False, False),
-               "compiled+graphs": (ModelOptions(compile="block"), True, False),
-               "compiled+graphs+tp_hooks": (ModelOptions(compile="block"), True, True)}
+               "compiled+packed+graphs": (packed.replace(compile="block", compile_dynamic=True), True, False),
+               "compiled+packed+graphs+tp_hooks": (packed.replace(compile="block", compile_dynamic=True), True, True)}
     result = {"logit_scale": plain.abs().max().item()}
     for name, (options, graphs, hooks) in configs.items():
         got = forced_logits(folder, options, graphs, hooks, tokens, prompt_len)
@@ -159,7 +164,9 @@ def main() -> None:
     errors = {}
     for heads, kv, dim in ((28, 4, 128), (14, 2, 64), (12, 2, 128)):
         for splits in (1, 4, 16):
-            errors[f"{heads}h{kv}kv{dim}d/splits{splits}"] = max(kernel_check(heads, kv, dim, splits, s) for s in range(3))
+            checks = [kernel_check(heads, kv, dim, splits, s) for s in range(3)]
+            errors[f"{heads}h{kv}kv{dim}d/splits{splits}"] = max(c[0] for c in checks)
+            errors[f"{heads}h{kv}kv{dim}d/splits{splits}/cache"] = max(c[1] for c in checks)  # must be 0
     results["kernel_max_abs_error_vs_reference"] = errors
     print(json.dumps(errors), flush=True)
     save()

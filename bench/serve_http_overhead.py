@@ -59,20 +59,23 @@ TICK = os.sysconf("SC_CLK_TCK")
 class LogitsRunner:
     """Stands in for ModelRunner: execute returns a copy of ready-made random logits."""
 
-    def __init__(self, vocab: int, seed: int = 0):
+    def __init__(self, vocab: int, seed: int = 0, device_ms: float = 0.0):
         g = torch.Generator().manual_seed(seed)
         self.pool = torch.randn(LOGITS_POOL, MAX_SEQS, vocab, generator=g)
         self.calls = 0
+        self.device_s = device_ms / 1000
 
     def execute(self, inputs):
         rows = len(inputs.logits_indices)
         self.calls += 1
+        if self.device_s:  # a GPU step: the engine thread waits without the GIL
+            time.sleep(self.device_s)
         return self.pool[self.calls % LOGITS_POOL, :rows].clone()
 
 
-def engine_options(requests: int, out_len: int) -> dict:
+def engine_options(requests: int, out_len: int, device_ms: float = 0.0) -> dict:
     def factory(model, shape, device, max_model_len, max_num_seqs, cuda_graphs):
-        return LogitsRunner(model.args.vocab_size)
+        return LogitsRunner(model.args.vocab_size, device_ms=device_ms)
 
     blocks = requests * -(-(PROMPT_MAX + out_len) // 16) + 64
     return dict(device="cpu", max_num_seqs=MAX_SEQS, num_kv_blocks=blocks, runner_factory=factory,
@@ -97,7 +100,7 @@ def thread_cpu(pid: int, tid: int) -> float:
 def run_engine(a) -> dict:
     from duoka.serve.engine import LLM
 
-    llm = LLM(**engine_options(a.requests, a.out_len))
+    llm = LLM(**engine_options(a.requests, a.out_len, a.device_ms))
     vocab = llm.engine.vocab_size
     llm.generate(workload(8, vocab, 99), greedy(8))  # warm-up
     prompts = workload(a.requests, vocab, a.seed)
@@ -114,7 +117,7 @@ def run_async(a) -> dict:
     from duoka.serve.async_engine import AsyncEngine
     from duoka.serve.engine import LLMEngine
 
-    engine = LLMEngine(**engine_options(a.requests, a.out_len))
+    engine = LLMEngine(**engine_options(a.requests, a.out_len, a.device_ms))
     ae = AsyncEngine(engine, 4096)
     server = _Server(ae, engine.tokenizer, engine.model_name, engine.max_model_len, engine.default_params)
 
@@ -172,7 +175,7 @@ def serve(port: int, a) -> None:
 
     if a.switch_interval:
         sys.setswitchinterval(a.switch_interval)
-    engine = LLMEngine(**engine_options(a.requests, a.out_len))
+    engine = LLMEngine(**engine_options(a.requests, a.out_len, a.device_ms))
     ae = AsyncEngine(engine, 4096, ServeMetrics(engine.model_name))
     app = build_app(ae, engine.tokenizer, engine.model_name, engine.max_model_len, engine.default_params)
     loop_tid, engine_tid = threading_native_ids(ae)
@@ -225,7 +228,7 @@ def run_http(a, vocab: int) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, __file__, "--serve", str(port), "--requests", str(a.requests), "--out-len", str(a.out_len),
-           "--switch-interval", str(a.switch_interval)]
+           "--switch-interval", str(a.switch_interval), "--device-ms", str(a.device_ms)]
     proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL if not a.verbose else None)
     spy = None
     try:
@@ -330,6 +333,8 @@ def main():
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--switch-interval", type=float, default=0.0,
                     help="sys.setswitchinterval in the server (0: Python's default, 5 ms)")
+    ap.add_argument("--device-ms", type=float, default=0.0,
+                    help="each step also sleeps this long (the GPU's share of a step, the GIL released)")
     ap.add_argument("--verbose", action="store_true", help="show the server's stderr")
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # internal: the server subprocess
     a = ap.parse_args()

@@ -1,10 +1,11 @@
 """Where a serving step's time goes on the GPU (exploration for issue 24's levers).
 
-    python bench/serve_profile.py --shape 7b --out $OUT/profile_7b.json
+    python bench/serve_profile.py --shape 7b --out $OUT/profile_7b.json [--cprofile]
 
-Batch 1 (128-token prompt, 256 tokens): per-step wall time and the host's share (cProfile);
-then the peer's workload (256 requests): wall time, steps, and the decode step's GPU time
-alone (runner.execute, synchronised) against the whole step's."""
+Batch 1 (128-token prompt, 256 tokens): per-step wall time; then the peer's workload (256
+requests): wall time, steps, and the decode step's GPU time alone (runner.execute,
+synchronised) against the whole step's. --cprofile prints the host's hottest functions too
+(their timing then slows the steps it measures)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="7b")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--cprofile", action="store_true")
     a = ap.parse_args()
     res = {"shape": a.shape}
     folder = make_folder(a.shape)
@@ -63,20 +65,22 @@ def main():
     vocab = SHAPES[a.shape]["vocab_size"]
     run(engine, peer_workload(4, vocab=vocab), 32, False)  # warm-up
 
-    wall, stamps, prof = run(engine, [peer_workload(1, 128, 128, vocab)[0]], 256, True)
+    wall, stamps, prof = run(engine, [peer_workload(1, 128, 128, vocab)[0]], 256, a.cprofile)
     steps = [b - a for a, b in zip(stamps, stamps[1:])]
     res["batch1_tokens_per_s"] = (len(stamps) - 2) / (stamps[-1] - stamps[1])
     res["batch1_step_ms_median"] = sorted(steps)[len(steps) // 2] * 1000
     print(json.dumps(res), flush=True)
-    print(top(prof, 30), flush=True)
+    if prof:
+        print(top(prof, 30), flush=True)
 
     prompts = peer_workload(256, vocab=vocab)
-    wall, stamps, prof = run(engine, prompts, 256, True)
+    wall, stamps, prof = run(engine, prompts, 256, a.cprofile)
     total = sum(map(len, prompts)) + 256 * 256
     res["peer_workload"] = dict(wall_s=wall, steps=len(stamps), total_tokens_per_s=total / wall,
                                 output_tokens_per_s=256 * 256 / wall)
     print(json.dumps(res), flush=True)
-    print(top(prof, 30), flush=True)
+    if prof:
+        print(top(prof, 30), flush=True)
 
     # One 256-way decode step: the GPU alone against the whole step.
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)

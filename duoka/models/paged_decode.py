@@ -34,11 +34,15 @@ def available() -> bool:
     return triton is not None
 
 
+# At most this many splits: the merge kernel holds every split's partial in one tile.
+MAX_SPLITS = 16
+
+
 def num_splits(batch: int, kv_heads: int, max_context: int) -> int:
     """How many parts each context is cut into: enough programs to fill the GPU, no part
     shorter than MIN_SPLIT_TOKENS. A function of the shapes only, so fixed per CUDA graph."""
     want = max(1, math.ceil(TARGET_PROGRAMS / (batch * kv_heads)))
-    return max(1, min(want, max_context // MIN_SPLIT_TOKENS, 16))
+    return max(1, min(want, max_context // MIN_SPLIT_TOKENS, MAX_SPLITS))
 
 
 if triton is not None:
@@ -92,6 +96,52 @@ if triton is not None:
                  mask=gmask[:, None])
         tl.store(LSE + b * stride_lb + heads * stride_lh + split, lse, mask=gmask)
 
+    @triton.jit
+    def _merge_kernel(O, LSE, OUT, splits, stride_ob, stride_oh, stride_os, stride_lb, stride_lh,
+                      stride_xb, stride_xh, D: tl.constexpr, SPLITS_PAD: tl.constexpr):
+        # One program per (sequence, head): the splits' partial outputs weighted by their
+        # share of the whole softmax, exp(lse_i - logsumexp(lse)). Split 0 is never empty
+        # (a context holds at least the new token), so the maximum is finite.
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_s = tl.arange(0, SPLITS_PAD)
+        offs_d = tl.arange(0, D)
+        smask = offs_s < splits
+        lse = tl.load(LSE + b * stride_lb + h * stride_lh + offs_s, mask=smask, other=float("-inf"))
+        w = tl.exp(lse - tl.max(lse, 0))
+        w = w / tl.sum(w, 0)
+        part = tl.load(O + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os + offs_d[None, :],
+                       mask=smask[:, None], other=0.0)
+        out = tl.sum(part * w[:, None], 0)
+        tl.store(OUT + b * stride_xb + h * stride_xh + offs_d, out.to(OUT.dtype.element_ty))
+
+    @triton.jit
+    def _write_kv_kernel(K, V, KC, VC, SLOTS, stride_kt, stride_kh, stride_vt, stride_vh, stride_cs, stride_ch,
+                         HEADS: tl.constexpr, HEADS_PAD: tl.constexpr, D: tl.constexpr):
+        # One program per new token: its keys and values into their slot of the cache.
+        t = tl.program_id(0)
+        slot = tl.load(SLOTS + t).to(tl.int64)
+        offs_h = tl.arange(0, HEADS_PAD)
+        offs_d = tl.arange(0, D)
+        mask = (offs_h < HEADS)[:, None]
+        dst = slot * stride_cs + offs_h[:, None] * stride_ch + offs_d[None, :]
+        k = tl.load(K + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+        tl.store(KC + dst, k, mask=mask)
+        v = tl.load(V + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+        tl.store(VC + dst, v, mask=mask)
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """k, v: [T, kv_heads, head_dim] (any strides, head_dim contiguous) into their slots of
+    the layer's caches [blocks, block_size, kv_heads, head_dim], in one kernel."""
+    kv_heads, head_dim = k_cache.shape[-2:]
+    kc, vc = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+    k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
+    _write_kv_kernel[(k.shape[0],)](
+        k, v, kc, vc, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1), kc.stride(0), kc.stride(1),
+        HEADS=kv_heads, HEADS_PAD=triton.next_power_of_2(kv_heads), D=head_dim)
+
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      context_lens: torch.Tensor, splits: int) -> torch.Tensor:
@@ -110,5 +160,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     )
     if splits == 1:
         return out[:, :, 0].to(q.dtype)
-    weights = torch.softmax(lse, dim=-1)  # each split's share of the whole softmax
-    return (out * weights[..., None]).sum(dim=2).to(q.dtype)
+    merged = torch.empty(batch, n_heads, head_dim, device=q.device, dtype=q.dtype)
+    _merge_kernel[(batch, n_heads)](
+        out, lse, merged, splits, out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+        merged.stride(0), merged.stride(1), D=head_dim, SPLITS_PAD=MAX_SPLITS)
+    return merged

@@ -25,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import ModelArgs, ModelOptions
-from duoka.models.qwen2.hf_adapter import duoka_to_hf, open_checkpoint
+from duoka.models.qwen2.hf_adapter import checkpoint_sources, hf_to_duoka, open_checkpoint
 from duoka.models.qwen2.model import Attention, FeedForward, Qwen2, build_model, materialize
 
 # Parameters split by output rows (dim 0) or input columns (dim 1); every other one is
@@ -122,18 +122,21 @@ def load_shard(model: Qwen2, folder: Path, args: ModelArgs, tp: int, rank: int) 
     from disk: 72B loads at tp 8 without any rank holding a full layer's projections.
     The checkpoint's headers are checked against the full model `args` first."""
     files, handles = open_checkpoint(folder, build_model(args))
+    local = shard_args(args, tp)
     for name, param in model.state_dict().items():
         if name == "output.weight" and args.tie_word_embeddings:
             continue  # the embedding's weight, loaded under its own name
-        hf_name = duoka_to_hf(name)
-        source = handles[files[hf_name]]
-        part = shard_range(name, args, tp, rank)
-        if part is None:
-            value = source.get_tensor(hf_name)
-        else:
-            dim, start, stop = part
-            lazy = source.get_slice(hf_name)
-            value = lazy[start:stop] if dim == 0 else lazy[:, start:stop]
+        parts = []
+        for hf_name, _ in checkpoint_sources(name, tuple(param.shape), local):
+            source = handles[files[hf_name]]
+            part = shard_range(hf_to_duoka(hf_name), args, tp, rank)
+            if part is None:
+                parts.append(source.get_tensor(hf_name))
+            else:
+                dim, start, stop = part
+                lazy = source.get_slice(hf_name)
+                parts.append(lazy[start:stop] if dim == 0 else lazy[:, start:stop])
+        value = parts[0] if len(parts) == 1 else torch.cat(parts)
         if tuple(value.shape) != tuple(param.shape):  # a bug in the layout, not in the checkpoint
             raise RuntimeError(f"{name}: slice {tuple(value.shape)} does not fit the shard's {tuple(param.shape)}")
         param.copy_(value)

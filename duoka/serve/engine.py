@@ -122,10 +122,11 @@ class LLMEngine:
         t0 = time.perf_counter()
         # Each decoder block runs as one compiled graph around the attention operator (compile
         # None: on GPU only, where a decode step is then dozens of kernels per layer fewer;
-        # bench/NOTES.md, "Serving"). q, k and v stay three matmuls: fusing them concatenates
-        # their weights at every step, traffic a bandwidth-bound decode cannot spare.
+        # bench/NOTES.md, "Serving"). q/k/v and gate/up are loaded as one weight each: one
+        # matmul apiece without concatenating weights per step, which a decode bound by
+        # reading the weights cannot spare.
         compile = self.device.type == "cuda" if compile is None else compile
-        options = ModelOptions(compile="block" if compile else "none", compile_dynamic=True, fuse_qkv=False)
+        options = ModelOptions(compile="block" if compile else "none", compile_dynamic=True, packed_projections=True)
         if self.tp > 1:
             self.model = load_tp_model(folder, args, tp_group, self.device, self.dtype, options)
         else:

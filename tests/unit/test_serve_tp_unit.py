@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from duoka.errors import DuokaError
-from duoka.models.qwen2.args import FLAVORS
-from duoka.models.qwen2.hf_adapter import save_hf_checkpoint
+from duoka.models.qwen2.args import FLAVORS, ModelOptions
+from duoka.models.qwen2.hf_adapter import load_hf_model, save_hf_checkpoint
 from duoka.models.qwen2.model import build_model, materialize
 from duoka.parallel.serve_tp import (
     build_shard,
@@ -75,3 +75,33 @@ def test_every_step_input_travels_to_the_other_ranks():
     would run without it)."""
     assert {f.name for f in fields(StepInputs)} == set(ARRAY_DTYPES) | set(SCALARS)
     assert 5 + len(SCALARS) <= HEADER_LEN
+
+
+def test_packed_projections_load_the_same_model(tmp_path):
+    """The serving engine's packed q/k/v and gate/up (ModelOptions.packed_projections) are the
+    checkpoint's tensors concatenated: the same logits as the plain layout, whole and as tp
+    shards (each shard's packed rows its own slices of q, k, v, gate and up)."""
+    args = FLAVORS["debug"].replace(n_kv_heads=1)
+    model = materialize(build_model(args), "cpu", torch.float32)
+    model.init_weights(seed=3)
+    save_hf_checkpoint(model, tmp_path / "hf")
+    packed_options = ModelOptions(packed_projections=True)
+    packed, _ = load_hf_model(tmp_path / "hf", options=packed_options)
+    assert "layers.0.attention.wqkv.weight" in packed.state_dict()
+    assert "layers.0.attention.wq.weight" not in packed.state_dict()
+    tokens = torch.randint(0, args.vocab_size, (2, 12))
+    torch.testing.assert_close(packed(tokens), model(tokens), rtol=0, atol=1e-5)
+
+    for rank in range(2):
+        plain, shard = build_shard(args, 2, "cpu", torch.float32), build_shard(args, 2, "cpu", torch.float32,
+                                                                               packed_options)
+        load_shard(plain, tmp_path / "hf", args, 2, rank)
+        load_shard(shard, tmp_path / "hf", args, 2, rank)
+        attn, packed_attn = plain.layers["1"].attention, shard.layers["1"].attention
+        torch.testing.assert_close(packed_attn.wqkv.weight,
+                                   torch.cat([attn.wq.weight, attn.wk.weight, attn.wv.weight]), rtol=0, atol=0)
+        ffn, packed_ffn = plain.layers["1"].feed_forward, shard.layers["1"].feed_forward
+        torch.testing.assert_close(packed_ffn.w13.weight, torch.cat([ffn.w1.weight, ffn.w3.weight]), rtol=0, atol=0)
+        torch.testing.assert_close(shard(tokens), plain(tokens), rtol=0, atol=1e-5)
+    with pytest.raises(KeyError, match="no Hugging Face name"):
+        save_hf_checkpoint(packed, tmp_path / "out")

@@ -111,6 +111,12 @@ class ModelOptions:
     "efficient" or "math"."""
     fuse_qkv: bool = True
     """q, k and v from one matmul over their concatenated weights where the layers allow it."""
+    packed_projections: bool = False
+    """Inference: q/k/v and gate/up held as one weight each (`attention.wqkv`,
+    `feed_forward.w13`), filled from a Hugging Face folder by concatenating its tensors at
+    load. One matmul each with no concatenation per step, which a batch-1 decode (bound by
+    reading the weights) needs. The only option that changes parameter names: such a model
+    loads Hugging Face checkpoints but is not trained, parallelized or saved."""
     compile: str = "none"
     """"none"; "block": each decoder block's body is one compiled graph; "parts": the
     attention and MLP bodies each (tensor parallelism, whose module hooks must stay eager)."""

@@ -134,14 +134,37 @@ def _open(path: Path):
                          "the file is damaged or truncated; download it again") from None
 
 
+# A model built with ModelOptions.packed_projections holds these tensors, each the
+# checkpoint's tensors concatenated along the output rows in this order.
+_PACKED = {
+    "attention.wqkv.weight": ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"),
+    "attention.wqkv.bias": ("attention.wq.bias", "attention.wk.bias", "attention.wv.bias"),
+    "feed_forward.w13.weight": ("feed_forward.w1.weight", "feed_forward.w3.weight"),
+}
+
+
+def checkpoint_sources(name: str, shape: tuple[int, ...], args: ModelArgs) -> list[tuple[str, tuple[int, ...]]]:
+    """The checkpoint tensors (HF name, shape) that the model's tensor `name` is made of."""
+    m = _DUOKA_LAYER.match(name)
+    if not (m and m.group(2) in _PACKED):
+        return [(duoka_to_hf(name), shape)]
+    head_dim = args.resolved_head_dim
+    rows = ((args.n_heads * head_dim, args.n_kv_heads * head_dim, args.n_kv_heads * head_dim)
+            if m.group(2).startswith("attention.") else (args.intermediate_size, args.intermediate_size))
+    return [(duoka_to_hf(f"layers.{m.group(1)}.{part}"), (n, *shape[1:])) for part, n in zip(_PACKED[m.group(2)], rows)]
+
+
+def _model_tensors(model: Qwen2) -> dict[str, list[tuple[str, tuple[int, ...]]]]:
+    """The model's tensor name -> its checkpoint sources, for every tensor this (possibly
+    partial) model loads."""
+    return {name: checkpoint_sources(name, tuple(tensor.shape), model.args) for name, tensor in model.state_dict().items()
+            # transformers omits the tied head; its values are the embedding's
+            if not (name == "output.weight" and model.args.tie_word_embeddings)}
+
+
 def _expected_tensors(model: Qwen2) -> dict[str, tuple[int, ...]]:
     """HF name -> shape for every tensor this (possibly partial) model needs."""
-    expected = {}
-    for name, tensor in model.state_dict().items():
-        if name == "output.weight" and model.args.tie_word_embeddings:
-            continue  # transformers omits the tied head; its values are the embedding's
-        expected[duoka_to_hf(name)] = tuple(tensor.shape)
-    return expected
+    return {hf: shape for sources in _model_tensors(model).values() for hf, shape in sources}
 
 
 def open_checkpoint(folder: Path, model: Qwen2, allow_unused: bool = False) -> tuple[dict[str, Path], dict]:
@@ -187,8 +210,9 @@ def load_hf_weights(model: Qwen2, folder: Path, allow_unused: bool = False) -> N
     """Fill an allocated model from the folder's safetensors (checked by open_checkpoint)."""
     files, handles = open_checkpoint(folder, model, allow_unused)
     params = model.state_dict()
-    for hf_name in _expected_tensors(model):
-        write_full_(params[hf_to_duoka(hf_name)], handles[files[hf_name]].get_tensor(hf_name))
+    for name, sources in _model_tensors(model).items():
+        parts = [handles[files[hf]].get_tensor(hf) for hf, _ in sources]
+        write_full_(params[name], parts[0] if len(parts) == 1 else torch.cat(parts))
 
 
 def _short(names: list[str], limit: int = 12) -> str:

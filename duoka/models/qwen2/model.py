@@ -194,9 +194,15 @@ class Attention(nn.Module):
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.resolved_head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=True)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=True)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=True)
+        q_out, kv_out = args.n_heads * self.head_dim, args.n_kv_heads * self.head_dim
+        self.packed = options.packed_projections
+        if self.packed:
+            self.wqkv = nn.Linear(args.dim, q_out + 2 * kv_out, bias=True)
+            self.qkv_split = (q_out, kv_out, kv_out)
+        else:
+            self.wq = nn.Linear(args.dim, q_out, bias=True)
+            self.wk = nn.Linear(args.dim, kv_out, bias=True)
+            self.wv = nn.Linear(args.dim, kv_out, bias=True)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
         self.fuse_qkv = options.fuse_qkv  # q, k and v from one matmul where fusable(); see fused_linear
         # The one SDPA kernel for causal attention (None: PyTorch's choice), applied with
@@ -215,7 +221,9 @@ class Attention(nn.Module):
         cos, sin = rope
         # -1 instead of the head count keeps this module correct when tensor parallelism
         # has sharded the projections and each rank holds only its share of the heads.
-        if self.fuse_qkv and fusable(self.wq, self.wk, self.wv):
+        if self.packed:
+            q, k, v = self.wqkv(x).split(self.qkv_split, dim=-1)
+        elif self.fuse_qkv and fusable(self.wq, self.wk, self.wv):
             q, k, v = fused_linear(x, self.wq, self.wk, self.wv)
             # Attention keeps v for its backward; as a view it would keep the whole q/k/v
             # buffer alive. q and k are replaced by their rotated copies below.
@@ -246,8 +254,12 @@ class FeedForward(nn.Module):
 
     def __init__(self, dim: int, hidden: int, options: ModelOptions = ModelOptions()):
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.packed = options.packed_projections
+        if self.packed:  # gate rows first, then up (see ModelOptions.packed_projections)
+            self.w13 = nn.Linear(dim, 2 * hidden, bias=False)
+        else:
+            self.w1 = nn.Linear(dim, hidden, bias=False)
+            self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self._body = compiled_body(self._mlp, options.compile == "parts", options.compile_dynamic)
 
@@ -255,8 +267,11 @@ class FeedForward(nn.Module):
         return self._body(x)
 
     def _mlp(self, x):
-        # Gate and up stay two matmuls: each is wide enough to fill the GPU alone, and one
-        # matmul over both was slower.
+        if self.packed:
+            gate, up = self.w13(x).chunk(2, dim=-1)
+            return self.w2(F.silu(gate) * up)
+        # Gate and up stay two matmuls in training: each is wide enough to fill the GPU
+        # alone, and one matmul over both was slower.
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 

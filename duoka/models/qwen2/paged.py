@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from duoka.models.paged_decode import decode_attention
+from duoka.models import paged_decode
 
 
 @dataclass
@@ -71,7 +71,8 @@ class PagedBatch:
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """k, v: [T, kv_heads, head_dim] into their slots of the layer's cache."""
+    """k, v: [T, kv_heads, head_dim] into their slots of the layer's cache (the reference
+    backend's; the GPU's is paged_decode.write_kv, one kernel for both)."""
     kv_heads, head_dim = k_cache.shape[-2:]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
@@ -169,7 +170,8 @@ def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
     max_query_len, num_decodes, decode_splits, prefill_context, max_context_len = sizes.tolist()
     batch = PagedBatch([k_cache], [v_cache], slot_mapping, block_tables, context_lens, query_start, max_query_len,
                        slot_mapping[:0], backend, num_decodes, decode_splits, prefill_context, max_context_len, sizes)
-    write_kv(k_cache, v_cache, k[0].transpose(0, 1), v[0].transpose(0, 1), slot_mapping)
+    store = write_kv if backend == "reference" else paged_decode.write_kv
+    store(k_cache, v_cache, k[0].transpose(0, 1), v[0].transpose(0, 1), slot_mapping)
     q = q[0].transpose(0, 1)  # [T, heads, head_dim]
     if backend == "reference":
         out = reference_attention(q, k_cache, v_cache, batch)
@@ -177,7 +179,7 @@ def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
         n = num_decodes
         parts = []
         if n:
-            parts.append(decode_attention(q[:n], k_cache, v_cache, block_tables[:n], context_lens[:n], decode_splits))
+            parts.append(paged_decode.decode_attention(q[:n], k_cache, v_cache, block_tables[:n], context_lens[:n], decode_splits))
         if n < q.shape[0]:
             parts.append(gathered_prefill(q[n:].contiguous(), k_cache, v_cache, batch))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
