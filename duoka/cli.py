@@ -27,7 +27,8 @@ def log(message: str) -> None:
 
 
 def add_generate_parser(sub) -> None:
-    p = sub.add_parser("generate", help="generate text from a Hugging Face Qwen2 folder (streams to stdout)",
+    p = sub.add_parser("generate", help="try a model on one prompt: a run's hf/step-N, a hub id or a folder; the "
+                                        "text streams to stdout",
                        description="Generate a continuation of PROMPT on the serving engine (the one under `duoka "
                                    "serve`). Only the generated text goes to stdout; load and speed figures go to "
                                    "stderr.")
@@ -41,6 +42,9 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling (temperature > 0)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="generate all --max-new-tokens even past the end-of-text token (a briefly trained model "
+                        "often samples it early)")
     p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto = bfloat16 on GPU, float32 on CPU")
     p.add_argument("--enforce-eager", action="store_true",
@@ -53,7 +57,7 @@ def run_generate(a: argparse.Namespace) -> int:
     from duoka.serve.params import SamplingParams
 
     params = SamplingParams(max_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
-                            top_p=a.top_p, seed=a.seed)
+                            top_p=a.top_p, seed=a.seed, ignore_eos=a.ignore_eos)
     prompt = a.prompt
     if prompt is None and sys.stdin is not None and not sys.stdin.isatty():
         prompt = sys.stdin.read() or None
@@ -100,7 +104,8 @@ SERVE_API_KEY_ENV = "DUOKA_API_KEY"
 
 
 def add_serve_parser(sub) -> None:
-    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API, on one or several GPUs (--tp)",
+    p = sub.add_parser("serve", help="deploy a model: an OpenAI-compatible HTTP API with continuous batching, on "
+                                     "one or several GPUs (--tp)",
                        description="Serve a Qwen2 model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
                                    "/v1/completions, /v1/models, /health, /metrics) with continuous batching and a "
                                    "paged KV cache. SIGTERM or Ctrl-C drains: in-flight requests finish, then exit 0.")
@@ -155,7 +160,8 @@ def run_serve(a: argparse.Namespace) -> int:
 
 def add_train_parser(sub) -> None:
     p = sub.add_parser(
-        "train", help="train a Qwen2 (no arguments: the debug model on the bundled corpus)",
+        "train", help="train or fine-tune on this machine's GPUs (or its CPU); no arguments: a one-minute demo "
+                      "on the bundled corpus",
         description="Train on every visible GPU (or one CPU process). Config: defaults < CFG.toml < "
                     "--section.key=value overrides; see docs/config.md.")
     p.add_argument("config", nargs="?", help="TOML config file")
@@ -189,7 +195,8 @@ def run_train(a: argparse.Namespace) -> int:
 
 
 def add_prepare_parser(sub) -> None:
-    p = sub.add_parser("prepare", help="tokenize a corpus once into memory-mapped shards + manifest",
+    p = sub.add_parser("prepare", help="before training on a large corpus: tokenize it once into memory-mapped "
+                                       "shards (then --data.path=OUT)",
                        description="Text (.txt), JSONL (.jsonl, .jsonl.gz) or Parquet input, one shard per file, "
                                    "tokenized in parallel. Resumable; a re-run on unchanged input does nothing. "
                                    "Train on the result with --data.path=OUT.")
@@ -215,7 +222,8 @@ def run_prepare(a: argparse.Namespace) -> int:
 
 
 def add_export_parser(sub) -> None:
-    p = sub.add_parser("export", help="write a training checkpoint as a Hugging Face folder",
+    p = sub.add_parser("export", help="turn any training checkpoint into a Hugging Face folder (the final one is "
+                                      "in RUN/hf/ already)",
                        description="Convert RUN_DIR/checkpoints/step-N (torch.distributed.checkpoint, any layout) "
                                    "into config.json + safetensors + tokenizer files that transformers loads.")
     p.add_argument("checkpoint", help="a checkpoints/step-N folder")
@@ -237,7 +245,8 @@ def run_export(a: argparse.Namespace) -> int:
 
 
 def add_plan_parser(sub) -> None:
-    p = sub.add_parser("plan", help="memory estimate and ranked parallel layouts for a model on N GPUs",
+    p = sub.add_parser("plan", help="before training: which parallel layout fits N GPUs and is fastest, memory per "
+                                    "GPU, a ready config (--out)",
                        description="Estimate per-GPU memory (weights, gradients, optimizer, activations, logits, "
                                    "buffers) for every layout duoka runs, rank those that fit by estimated step "
                                    "time, explain the first and print a config for it. Flags left out are read "
@@ -283,7 +292,8 @@ def run_plan(a: argparse.Namespace) -> int:
 
 
 def add_monitor_parser(sub) -> None:
-    p = sub.add_parser("monitor", help="live view of a run (metrics.jsonl) and of this machine's GPUs",
+    p = sub.add_parser("monitor", help="while a run trains: live loss, speed, MFU and per-GPU readings (from "
+                                       "another terminal)",
                        description="Follows RUN_DIR/metrics.jsonl: loss, speed, MFU, the step breakdown, one row "
                                    "per rank with its GPU's readings, balance shares and alerts. --gpus adds this "
                                    "machine's GPUs like nvidia-smi, labelled with the run's ranks.")
@@ -306,7 +316,10 @@ def run_monitor(a: argparse.Namespace) -> int:
 
 
 def add_report_parser(sub) -> None:
-    p = sub.add_parser("report", help="an HTML report of a run with plots (opens from disk, no server)")
+    p = sub.add_parser("report", help="after (or during) a run: one HTML page of plots and alerts to keep or share",
+                       description="Write RUN_DIR/report.html: loss, throughput, MFU, the step breakdown, per-GPU "
+                                   "utilisation and memory, balance shares, alerts and the config, as inline SVG "
+                                   "(opens from disk, no server, no network).")
     p.add_argument("run_dir", help="a duoka train job.output_dir")
     p.add_argument("--out", default=None, help="default: RUN_DIR/report.html")
     p.set_defaults(func=run_report)
@@ -321,7 +334,8 @@ def run_report(a: argparse.Namespace) -> int:
 
 
 def add_doctor_parser(sub) -> None:
-    p = sub.add_parser("doctor", help="check this machine for multi-GPU training; explain a failed run's log",
+    p = sub.add_parser("doctor", help="first thing on a new machine, or after a failure: driver, GPUs, NCCL, links, "
+                                      "with fixes; --explain LOG",
                        description="Checks Python, PyTorch against the driver, the GPUs (busy, ECC, throttling), "
                                    "memory for --model, CPU/RAM/shm, NCCL, GPU links, InfiniBand, risky NCCL "
                                    "variables, the rendezvous port and disk. Exit code 0: all pass, 1: warnings, "
@@ -400,8 +414,8 @@ def _render_bench(bench: dict, console) -> None:
 
 
 def add_bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="training throughput, MFU and memory; `bench serve`: serving throughput and "
-                                     "latency (both optionally vs the peer)",
+    p = sub.add_parser("bench", help="measure training speed (tokens/s/GPU, MFU, memory), or with `bench serve` "
+                                     "a server's throughput and latency; optionally vs transformers",
                        description="Runs duoka train on random tokens for warm-up + timed steps on the visible "
                                    "GPUs and reports tokens/s/GPU, MFU, peak memory and the step-time breakdown. "
                                    "`duoka bench serve` measures serving instead.")
@@ -449,7 +463,8 @@ def run_bench(a: argparse.Namespace) -> int:
 
 def add_bench_serve_parser(sub) -> None:
     p = sub.add_parser(
-        "serve", help="serving throughput and latency through the OpenAI API (optionally vs the peer)",
+        "serve", help="measure a server's throughput and latency (TTFT, TPOT, ITL) through the OpenAI API, "
+                      "optionally vs transformers",
         description="Sends a fixed workload through a server's OpenAI API (/v1/completions, streamed, ignore_eos) "
                     "and reports request and token throughput, time to first token, time per output token and "
                     "inter-token latency (mean, median, p99), as `vllm bench serve` does. The server is the one "
@@ -549,19 +564,27 @@ def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="duoka", description="Train and serve Qwen2-family models on many GPUs.")
+    parser = argparse.ArgumentParser(
+        prog="duoka", description="Train and serve Qwen2-family models on many GPUs.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="first run: duoka train   (a one-minute demo; it ends with a command to try)\n"
+               "on GPUs:   duoka plan --model Qwen/Qwen2.5-7B --out 7b.toml\n"
+               "           duoka train 7b.toml --data.path=data.jsonl --optimizer.lr=1e-5\n"
+               "           duoka monitor RUN_DIR --gpus   (the run directory it names)\n"
+               "more:      duoka COMMAND --help; README.md")
     parser.add_argument("--version", action="version", version=f"duoka {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    add_generate_parser(sub)
-    add_serve_parser(sub)
-    add_train_parser(sub)
-    add_prepare_parser(sub)
-    add_export_parser(sub)
+    # In the order a new user meets them: check, plan, train, watch, use the result, measure.
+    add_doctor_parser(sub)
     add_plan_parser(sub)
-    add_bench_parser(sub)
+    add_prepare_parser(sub)
+    add_train_parser(sub)
     add_monitor_parser(sub)
     add_report_parser(sub)
-    add_doctor_parser(sub)
+    add_export_parser(sub)
+    add_generate_parser(sub)
+    add_serve_parser(sub)
+    add_bench_parser(sub)
     return parser
 
 

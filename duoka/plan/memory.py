@@ -126,23 +126,30 @@ class Layout:
     def stages_per_rank(self) -> int:
         return self.pp_stages_per_rank if self.pp > 1 else 1
 
-    def describe(self) -> str:
+    def describe(self, compact: bool = False) -> str:
+        """The layout in words: `fsdp 4 + pp 2 interleaved x2`. compact (for narrow tables): each
+        part glued to its size and the parts joined by "+", in the style of `duoka bench --layout`:
+        `fsdp4+pp2 interleaved×2`."""
+        sp = "" if compact else " "
         parts = []
         if self.dp_mode == "fsdp" and self.dp_replicate > 1:
-            parts.append(f"hsdp {self.dp_replicate}x{self.dp_shard}")
+            parts.append(f"hsdp{sp}{self.dp_replicate}x{self.dp_shard}")
         elif self.dp_mode == "fsdp" and (self.dp_shard > 1 or self.tp == self.pp == 1):
-            parts.append(f"fsdp {self.dp_shard}")
+            parts.append(f"fsdp{sp}{self.dp_shard}")
         elif self.dp_replicate > 1:
-            parts.append(f"ddp {self.dp_replicate}")
+            parts.append(f"ddp{sp}{self.dp_replicate}")
         if self.tp > 1:
-            parts.append(f"tp {self.tp}")
+            parts.append(f"tp{sp}{self.tp}")
         if self.pp > 1:
-            sched = f"interleaved x{self.pp_stages_per_rank}" if self.pp_schedule == "interleaved_1f1b" else \
-                self.pp_schedule.replace("_", " ")
-            parts.append(f"pp {self.pp} {sched}")
+            if self.pp_schedule == "interleaved_1f1b":
+                sched = f"interleaved×{self.pp_stages_per_rank}" if compact else \
+                    f"interleaved x{self.pp_stages_per_rank}"
+            else:
+                sched = self.pp_schedule.replace("_", "-" if compact else " ")
+            parts.append(f"pp{sp}{self.pp} {sched}")
         if self.dp_mode == "fsdp" and self.pp == 1 and not self.reshard_after_forward:
-            parts.append("no reshard")
-        return " + ".join(parts) or "single GPU"
+            parts.append("noreshard" if compact else "no reshard")
+        return ("+" if compact else " + ").join(parts) or "single GPU"
 
 
 def layout_from_config(parallel, world_size: int) -> Layout:

@@ -732,6 +732,30 @@ def plan_toml(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def _layout_table(plan: Plan, top: int, compact: bool):
+    """The ranked layouts, one row each; compact: short headers and names, no vertical rules."""
+    from rich import box
+    from rich.table import Table
+
+    if compact:
+        table = Table(title="layouts that fit, best first", title_justify="left", box=box.SIMPLE_HEAD,
+                      show_edge=False, padding=(0, 1, 0, 0))
+        headers = ("#", "layout", "micro", "acc", "AC", "GiB", "resv", "rel", "tok/s")
+    else:
+        table = Table(title="layouts that fit, best first", title_justify="left")
+        headers = ("#", "layout", "micro-batch", "accum.", "AC", "peak GiB/GPU", "reserved", "rel. step time",
+                   "est. tok/s/GPU")
+    for i, header in enumerate(headers):
+        table.add_column(header, justify="left" if i in (1, 4) else "right", no_wrap=i == 1)
+    fastest = plan.fastest_s
+    for i, c in enumerate(plan.ranked[:top], 1):
+        table.add_row(str(i), c.layout.describe(compact), str(c.micro_batch), str(c.accumulation),
+                      "full" if c.activation_checkpointing else "-", _gib(c.memory.allocated), _gib(c.memory.reserved),
+                      f"{c.time.total_s / fastest:.2f}", f"{c.time.tokens_per_s_per_gpu:,.0f}",
+                      style="bold green" if i == 1 else None)
+    return table
+
+
 def render(plan: Plan, console, top: int = 10) -> None:
     """The plan as rich tables: ranked layouts, the first one's memory, why, the config."""
     from rich.table import Table
@@ -742,21 +766,18 @@ def render(plan: Plan, console, top: int = 10) -> None:
     console.print(f"[bold]{plan.model.label}[/] ({args.num_params() / 1e9:.2f}B parameters) on {hw.describe()}"
                   f"{detected}; seq {plan.seq_len}, global batch {plan.global_batch}; {plan.considered} "
                   f"combinations estimated, {len(plan.ranked)} layouts fit in {_gib(hw.usable_bytes)} GiB usable")
-    table = Table(title="layouts that fit, best first", title_justify="left")
-    for col, kw in (("#", {"justify": "right"}), ("layout", {}), ("micro-batch", {"justify": "right"}),
-                    ("accum.", {"justify": "right"}), ("AC", {}), ("peak GiB/GPU", {"justify": "right"}),
-                    ("reserved", {"justify": "right"}), ("rel. step time", {"justify": "right"}),
-                    ("est. tok/s/GPU", {"justify": "right"})):
-        table.add_column(col, **kw)
-    fastest = plan.fastest_s
-    for i, c in enumerate(plan.ranked[:top], 1):
-        style = "bold green" if i == 1 else None
-        table.add_row(str(i), c.layout.describe(), str(c.micro_batch), str(c.accumulation),
-                      "full" if c.activation_checkpointing else "-", _gib(c.memory.allocated), _gib(c.memory.reserved),
-                      f"{c.time.total_s / fastest:.2f}", f"{c.time.tokens_per_s_per_gpu:,.0f}", style=style)
+    wide = _layout_table(plan, top, compact=False)
+    # The full table where the terminal holds it; else short headers and names, one line per
+    # layout (rich would break the names and headers over several lines to fit).
+    natural = console.measure(wide, options=console.options.update(max_width=10_000)).maximum
+    table = wide if natural <= console.width else _layout_table(plan, top, compact=True)
     console.print(table)
     if len(plan.ranked) > top:
         console.print(f"  ... and {len(plan.ranked) - top} more (--json lists all)")
+    if table is not wide:
+        console.print("[dim]micro: micro-batch, acc: accumulation steps, AC: activation checkpointing, GiB: est. "
+                      "peak allocated per GPU, resv: reserved, rel: step time relative to the fastest, tok/s: est. "
+                      "per GPU (a wider terminal shows the full table)[/]")
 
     mem = Table(title=f"memory per GPU of #1 (peak at: {best.memory.phase}"
                       f"{f', pipeline rank {best.memory.pp_rank}' if best.layout.pp > 1 else ''})",

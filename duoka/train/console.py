@@ -2,9 +2,22 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from rich.console import Console as RichConsole
+
+# The command the end of a run suggests. Sampled, not greedy: a model trained for a minute
+# (the default run) repeats blank lines and "the" when greedy, but samples docstring-like words;
+# the seed makes the suggestion print the same text again, and --ignore-eos keeps a sample that
+# draws the end-of-text token early from ending after a word or two.
+TRY_PROMPT = "Return the"  # the bundled corpus is standard-library docstrings
+TRY_SAMPLING = ("--temperature", "0.8", "--seed", "1", "--ignore-eos")
+
+
+def try_command(final: Path) -> str:
+    """The `duoka generate` command for a run's final Hugging Face folder."""
+    return shlex.join(["duoka", "generate", "--model", str(final), "--prompt", TRY_PROMPT, *TRY_SAMPLING])
 
 
 class Console:
@@ -24,7 +37,7 @@ class Console:
     def done(self, run_dir: Path, final: Path | None, elapsed: float) -> None:
         self.out.print(f"[bold green]done[/] in {duration(elapsed)}. Run directory: {run_dir}")
         if final is not None:
-            self.out.print(f"Try it:  duoka generate --model {final} --prompt \"Return the\"")
+            self.out.print(f"Try it:  {try_command(final)}", markup=False)
 
 
 class Silent:

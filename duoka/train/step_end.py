@@ -9,6 +9,7 @@ launch the next step while the GPU still runs this one.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -39,17 +40,26 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return host
 
 
+SYNC_DEBUG_MODES = {"default": 0, "warn": 1, "error": 2}  # torch.cuda.get_sync_debug_mode's numbers
+
+
 @contextlib.contextmanager
 def sync_debug(mode: str):
     """PyTorch's sync debug mode for the enclosed code, the previous mode restored after:
     "error" (debug.check_host_syncs) raises at an operation that makes the host wait for
     the GPU; "default" lets pass a wait that is meant (a step's end, a background save's
-    completion). Nothing on a machine without CUDA."""
-    if not torch.cuda.is_available():
+    completion). Nothing on a machine without CUDA.
+
+    The mode is set only when it changes: setting it at all makes PyTorch warn "Synchronization
+    debug mode is a prototype feature", so a run without debug.check_host_syncs never sets it
+    (and one with it, which asked for the check, is spared the notice)."""
+    if not torch.cuda.is_available() or torch.cuda.get_sync_debug_mode() == SYNC_DEBUG_MODES[mode]:
         yield
         return
     previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode(mode)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Synchronization debug mode is a prototype")
+        torch.cuda.set_sync_debug_mode(mode)
     try:
         yield
     finally:
