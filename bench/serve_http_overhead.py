@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import functools
 import json
 import os
 import signal
@@ -73,13 +74,19 @@ class LogitsRunner:
         return self.pool[self.calls % LOGITS_POOL, :rows].clone()
 
 
-def engine_options(requests: int, out_len: int, device_ms: float = 0.0) -> dict:
-    def factory(model, shape, device, max_model_len, max_num_seqs, cuda_graphs):
-        return LogitsRunner(model.args.vocab_size, device_ms=device_ms)
+def fake_runner(model, shape, device, max_model_len, max_num_seqs, cuda_graphs, device_ms: float = 0.0):
+    return LogitsRunner(model.args.vocab_size, device_ms=device_ms)
 
+
+def quiet(_message: str) -> None:
+    pass
+
+
+def engine_options(requests: int, out_len: int, device_ms: float = 0.0) -> dict:
+    """Picklable (module-level functions): --engine-process sends them to a spawned process."""
     blocks = requests * -(-(PROMPT_MAX + out_len) // 16) + 64
-    return dict(device="cpu", max_num_seqs=MAX_SEQS, num_kv_blocks=blocks, runner_factory=factory,
-                log=lambda _: None)
+    return dict(device="cpu", max_num_seqs=MAX_SEQS, num_kv_blocks=blocks,
+                runner_factory=functools.partial(fake_runner, device_ms=device_ms), log=quiet)
 
 
 def workload(requests: int, vocab: int, seed: int) -> list[list[int]]:
@@ -171,11 +178,13 @@ def serve(port: int, a) -> None:
     from duoka.serve.api import build_app
     from duoka.serve.async_engine import AsyncEngine
     from duoka.serve.engine import LLMEngine
+    from duoka.serve.engine_process import EngineProcess
     from duoka.serve.metrics import ServeMetrics
 
     if a.switch_interval:
         sys.setswitchinterval(a.switch_interval)
-    engine = LLMEngine(**engine_options(a.requests, a.out_len, a.device_ms))
+    options = engine_options(a.requests, a.out_len, a.device_ms)
+    engine = EngineProcess(options) if a.engine_process else LLMEngine(**options)
     ae = AsyncEngine(engine, 4096, ServeMetrics(engine.model_name))
     app = build_app(ae, engine.tokenizer, engine.model_name, engine.max_model_len, engine.default_params)
     loop_tid, engine_tid = threading_native_ids(ae)
@@ -228,7 +237,8 @@ def run_http(a, vocab: int) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, __file__, "--serve", str(port), "--requests", str(a.requests), "--out-len", str(a.out_len),
-           "--switch-interval", str(a.switch_interval), "--device-ms", str(a.device_ms)]
+           "--switch-interval", str(a.switch_interval), "--device-ms", str(a.device_ms)] + \
+        (["--engine-process"] if a.engine_process else [])
     proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL if not a.verbose else None)
     spy = None
     try:
@@ -335,6 +345,8 @@ def main():
                     help="sys.setswitchinterval in the server (0: Python's default, 5 ms)")
     ap.add_argument("--device-ms", type=float, default=0.0,
                     help="each step also sleeps this long (the GPU's share of a step, the GIL released)")
+    ap.add_argument("--engine-process", action="store_true",
+                    help="the server's engine in a process of its own, as `duoka serve` runs it")
     ap.add_argument("--verbose", action="store_true", help="show the server's stderr")
     ap.add_argument("--serve", type=int, help=argparse.SUPPRESS)  # internal: the server subprocess
     a = ap.parse_args()

@@ -495,7 +495,8 @@ def add_bench_serve_parser(sub) -> None:
                    help="with --request-rate: send what arrives in this many seconds")
     p.add_argument("--warmup", type=int, default=1, help="untimed requests first (default 1)")
     p.add_argument("--batch1", action="store_true",
-                   help="also one streamed request alone (128-token prompt): decode tokens/s")
+                   help="also one streamed request alone (128-token prompt): decode tokens/s, from the "
+                        "difference of --out-len tokens and a quarter of them (prefill cancels out)")
     p.add_argument("--vs-peer", action="store_true",
                    help="also run the transformers peer on the same prompts, once the server is stopped")
     p.add_argument("--peer", default=None,

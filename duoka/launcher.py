@@ -563,10 +563,12 @@ def launch_serving(engine_options: dict, server_options: dict, tp: int = 1, log=
     name = engine_options.get("served_model_name") or model or BUNDLED_MODEL_NAME
     engine_options = {**engine_options, "model": str(folder), "served_model_name": name}
     if tp == 1:
-        from duoka.serve.engine import LLMEngine
+        from duoka.serve.engine_process import EngineProcess
         from duoka.serve.server import serve
 
-        return serve(lambda: LLMEngine(**engine_options), **server_options)
+        # The engine in a process of its own: the HTTP loop's work per token then takes no
+        # GIL from it (serve.engine_process). With tp > 1 rank 0 runs both, in two threads.
+        return serve(lambda: EngineProcess(engine_options), **server_options)
     return _run_serving_workers(engine_options, server_options, tp, log)
 
 

@@ -62,6 +62,34 @@ class EngineStats:
 
 
 @dataclass(frozen=True)
+class RequestLimits:
+    """What a request must fit, known once the engine has sized its cache: the same checks
+    whether the engine is here or in its own process (serve.engine_process)."""
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+
+    def check(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise DuokaError("the prompt is empty", "give at least one token of prompt")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise DuokaError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
+                             "tokenize with this model's tokenizer")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise DuokaError(
+                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is {total} tokens, "
+                f"more than this server's maximum context of {self.max_model_len} tokens",
+                "shorten the prompt or lower max_tokens")
+        if -(-total // self.block_size) > self.num_blocks:
+            raise DuokaError(f"the request needs {total} tokens of KV cache; the whole cache holds "
+                             f"{self.num_blocks * self.block_size}",
+                             "lower max_tokens, or give the server more memory (--gpu-memory-utilization)")
+
+
+@dataclass(frozen=True)
 class Completion:
     text: str
     token_ids: list[int]
@@ -158,6 +186,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max_num_batched_tokens, self.max_model_len,
                                    self.eos_ids)
         self.vocab_size = args.vocab_size
+        self.limits = RequestLimits(args.vocab_size, self.max_model_len, shape.block_size, shape.num_blocks)
         gen = self.tokenizer.generation_config
         self.default_params = {k: gen[k] for k in GENERATION_CONFIG_KEYS if k in gen}
         self._seeds = random.Random(seed)
@@ -178,21 +207,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         if request_id in self._requests:
             raise DuokaError(f"request id {request_id!r} is already running", "give each request its own id")
-        if not prompt_ids:
-            raise DuokaError("the prompt is empty", "give at least one token of prompt")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise DuokaError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})",
-                             "tokenize with this model's tokenizer")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise DuokaError(
-                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) is {total} tokens, "
-                f"more than this server's maximum context of {self.max_model_len} tokens",
-                "shorten the prompt or lower max_tokens")
-        if -(-total // self.shape.block_size) > self.shape.num_blocks:
-            raise DuokaError(f"the request needs {total} tokens of KV cache; the whole cache holds {self.shape.tokens}",
-                             "lower max_tokens, or give the server more memory (--gpu-memory-utilization)")
+        self.limits.check(prompt_ids, params)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         seq = Sequence(request_id, list(prompt_ids), params)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop)

@@ -182,9 +182,8 @@ def _error_text(status: int, body: bytes) -> str:
     return f"HTTP {status}: {message[:300]}"
 
 
-async def send(client: httpx.AsyncClient, model: str, request: Request, stamps: list[float] | None = None) -> Result:
-    """One streamed /v1/completions request, timed. `stamps`, when given, collects the time of
-    every choice event (the batch-1 rate needs them)."""
+async def send(client: httpx.AsyncClient, model: str, request: Request) -> Result:
+    """One streamed /v1/completions request, timed."""
     body = {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens, "ignore_eos": True,
             "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
     out = Result(prompt_tokens=len(request.prompt) if isinstance(request.prompt, list) else 0)
@@ -216,8 +215,6 @@ async def send(client: httpx.AsyncClient, model: str, request: Request, stamps: 
                         out.itl.append(now - last)
                     last = now
                     chunks += 1
-                    if stamps is not None:
-                        stamps.append(now)
                 elif event.get("usage"):
                     usage = event["usage"]
                 elif "error" in event:  # a failure after the stream began (an engine error, a drain)
@@ -266,29 +263,35 @@ def run_load(url: str, model: str, requests: list[Request], concurrency: int | N
 
 
 def batch1_rate(url: str, model: str, vocab: int, out_len: int, seed: int = 0, api_key: str | None = None) -> dict:
-    """One streamed request alone, BATCH1_RUNS times: decode tokens/s after the first token,
-    (output tokens - 1) / (last event - first event); the median run is the figure."""
-    if out_len < 2:
-        raise DuokaError(f"--batch1 needs at least 2 output tokens (--out-len {out_len})", "raise --out-len")
+    """One streamed request alone, BATCH1_RUNS times each of out_len and of a quarter of it:
+    decode tokens/s = (out_len - short) / (latency(out_len) - latency(short)), the median of
+    the runs. The difference of two whole requests cancels the prefill and whatever the first
+    event holds (a server that falls behind sends several tokens in one event)."""
+    short = out_len // 4
+    if short < 1:
+        raise DuokaError(f"--batch1 needs at least 4 output tokens (--out-len {out_len})", "raise --out-len")
     prompt = random_prompts(1, BATCH1_PROMPT_TOKENS, BATCH1_PROMPT_TOKENS, vocab, seed)[0]
+
+    async def latency(client, n: int) -> float:
+        r = await send(client, model, Request(prompt, n))
+        if not r.ok:
+            raise DuokaError(f"the batch-1 request failed: {r.error}", "check the server's log")
+        if r.output_tokens != n:
+            raise DuokaError(f"the batch-1 request of {n} tokens produced {r.output_tokens}",
+                             "the server must honour ignore_eos and max_tokens")
+        return r.latency
 
     async def go() -> list[float]:
         rates = []
         async with _client(url, api_key, 1) as client:
             for _ in range(BATCH1_RUNS):
-                stamps: list[float] = []
-                r = await send(client, model, Request(prompt, out_len), stamps)
-                if not r.ok:
-                    raise DuokaError(f"the batch-1 request failed: {r.error}", "check the server's log")
-                if r.output_tokens < 2 or stamps[-1] <= stamps[0]:
-                    raise DuokaError(f"the batch-1 request streamed {r.output_tokens} token(s) in one event",
-                                     "raise --out-len")
-                rates.append((r.output_tokens - 1) / (stamps[-1] - stamps[0]))
+                full, part = await latency(client, out_len), await latency(client, short)
+                rates.append((out_len - short) / (full - part))
         return rates
 
     rates = asyncio.run(go())
     return {"tokens_per_s": percentile(rates, 50), "runs_tokens_per_s": rates, "prompt_tokens": len(prompt),
-            "out_len": out_len}
+            "out_len": out_len, "short_len": short}
 
 
 def server_models(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> list[dict]:
