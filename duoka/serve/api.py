@@ -443,6 +443,9 @@ class _Server:
         return {"id": prepared.request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": created, "model": self.model_name, "choices": [choice], "usage": _usage(last)}
 
+    # Every output that carries tokens is an event, its text possibly empty (a token whose text
+    # is held back, e.g. part of a UTF-8 character), as vLLM does: a client's time to first
+    # token and inter-token latency then count tokens, not the tokens that happened to print.
     # Both SSE generators write every event that has arrived for their request at once (one
     # send, one socket write, when the event loop fell a few engine steps behind), and build
     # the common event (a text delta, no logprobs, not the last) from a template made once
@@ -463,11 +466,11 @@ class _Server:
 
         def render(out: RequestOutput, first: bool) -> list[str]:
             events = [chunk({"role": "assistant", "content": ""})] if first else []
-            if template is not None and out.new_text and not out.finished:
+            if template is not None and out.new_token_ids and not out.finished:
                 events.append(f"{template[0]}{_encode_str(out.new_text)}{template[1]}")
-            elif out.new_text or out.finished or (want_logprobs and out.new_logprobs):  # else text held back
+            elif out.new_token_ids or out.finished:
                 logprobs = {"content": self._chat_logprobs(out.new_logprobs or [])} if want_logprobs else None
-                events.append(chunk({"content": out.new_text} if out.new_text else {}, logprobs,
+                events.append(chunk({"content": out.new_text} if out.new_text or not out.finished else {}, logprobs,
                                     out.finish_reason if out.finished else None))
             return events
 
@@ -484,9 +487,9 @@ class _Server:
 
         def render(out: RequestOutput, first: bool) -> list[str]:
             nonlocal offset
-            if template is not None and out.new_text and not out.finished:
+            if template is not None and out.new_token_ids and not out.finished:
                 return [f"{template[0]}{_encode_str(out.new_text)}{template[1]}"]
-            if not (out.new_text or out.finished or (want_logprobs and out.new_logprobs)):
+            if not (out.new_token_ids or out.finished):
                 return []
             logprobs = self._completion_logprobs(out.new_logprobs or [], offset) if want_logprobs else None
             offset += len(out.new_text)

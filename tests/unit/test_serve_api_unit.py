@@ -17,7 +17,7 @@ from fastapi.testclient import TestClient
 from duoka.data.tokenizer import load_tokenizer
 from duoka.errors import DuokaError
 from duoka.hub import bundled_model_dir
-from duoka.serve.api import build_app
+from duoka.serve.api import _Server, build_app
 from duoka.serve.async_engine import AsyncEngine, Draining, EngineError, QueueFull
 from duoka.serve.metrics import ServeMetrics
 from duoka.serve.params import RequestOutput, SamplingParams, TokenLogprob
@@ -585,3 +585,38 @@ def test_an_oversized_body_is_refused_unread(served):
     r = s.client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
     assert r.status_code == 413
     assert s.client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2}).status_code == 200
+
+
+def test_a_token_without_text_is_still_an_event(tokenizer):
+    """A token whose text is held back (part of a character, or a token the tokenizer prints as
+    nothing) is an event with empty text, as vLLM sends it: a client's time to first token and
+    inter-token latency count tokens, not printed text."""
+    class Outputs:  # RequestStream's consumer side, one output per engine step
+        def __init__(self, outputs):
+            self.outputs = list(outputs)
+
+        async def next_batch(self):
+            if not self.outputs:
+                raise StopAsyncIteration
+            return [self.outputs.pop(0)]
+
+        def abort(self):
+            pass
+
+    steps = [RequestOutput("r", [7], "", None, False, None, 3, 1, 0),
+             RequestOutput("r", [8], "ab", None, False, None, 3, 2, 0),
+             RequestOutput("r", [9], "", None, True, "length", 3, 3, 0)]
+    server = _Server(None, tokenizer, MODEL, MAX_MODEL_LEN, {})
+
+    async def events(make):
+        body = b"".join([e if isinstance(e, bytes) else e.encode() async for e in make(Outputs(steps), "r", 0, False,
+                                                                                          False)])
+        return [json.loads(line[6:]) for line in body.decode().split("\n\n") if line.startswith("data: {")]
+
+    completion = asyncio.run(events(server._completion_events))
+    assert [(e["choices"][0]["text"], e["choices"][0]["finish_reason"]) for e in completion] == \
+        [("", None), ("ab", None), ("", "length")]
+    chat = asyncio.run(events(server._chat_events))
+    assert [(e["choices"][0]["delta"], e["choices"][0]["finish_reason"]) for e in chat] == \
+        [({"role": "assistant", "content": ""}, None), ({"content": ""}, None), ({"content": "ab"}, None),
+         ({}, "length")]
