@@ -20,21 +20,31 @@ absolute figure assumes a well-fed GPU and is no benchmark):
   2022, arXiv:2205.05198, section 4.2.2), 4 more under checkpointing; on the critical
   path, not overlapped; tp stays inside a node. Plus TP_BLOCK_OVERHEAD_S per block and
   micro-batch, measured: eager DTensor is far slower than its traffic;
-- data parallel: DDP all-reduces fp32 gradients once per step (2·(n-1)/n of their bytes);
-  FSDP all-gathers bf16 weights per micro-batch (forward, and backward again when
-  resharding after forward) and reduce-scatters fp32 gradients once per step; HSDP adds
-  an all-reduce of the shards across replicas. It overlaps with compute except the first
-  unit's share; what does not fit under the compute time is exposed;
+- every collective costs its alpha-beta time over the links of the group it runs in
+  (duoka.plan.network: ring all-gather/reduce-scatter, ring or tree all-reduce, NCCL's
+  latencies; bandwidth NVLink/PCIe inside a node, min(NVLink, GPUs of the group per node x
+  NIC) across nodes, with the mesh pp x dp_replicate x dp_shard x tp placing tp innermost,
+  so HSDP's replica all-reduce and pipeline sends cross nodes on one NIC each);
+- data parallel: DDP all-reduces fp32 gradients once per step, in parallel.ddp_bucket_mb
+  buckets; FSDP all-gathers bf16 weights per unit per micro-batch (forward, and backward
+  again when resharding after forward; once per step under pp) and reduce-scatters fp32
+  gradients once per step; HSDP adds an all-reduce of the shards across replicas. The
+  all-gathers overlap the forward (or backward) they prefetch for; the gradient reduction
+  overlaps only the last micro-batch's backward (the trainer syncs gradients there only);
+  the first (or last) unit's share of each waits; what outlasts its window is exposed;
 - FSDP's per-unit cost (hooks, copies, stream waits): FSDP_UNIT_S per unit per pass,
   measured (bench/results/train_vs_peer.md: FSDP2 vs DDP on 2 x H200, 0.5B and 1.5B); a
   unit is one block, or several small ones without resharding (auto_blocks_per_unit);
 - pipeline: the slowest stage's time x (m + (pp-1)/v) for m micro-batches and v stages
   per rank, i.e. the bubble fraction (pp-1)/(v·m + pp-1) of Narayanan et al. 2021
-  (arXiv:2104.04473); plus the stage-to-stage sends;
+  (arXiv:2104.04473); plus the stage-to-stage sends (1/tp of the activation per rank under
+  sequence parallelism), on the critical path;
 - optimizer: fused AdamW streams OPTIMIZER_BYTES_PER_PARAM bytes per local parameter
   through HBM.
 Ignored: kernel contention between NCCL and compute, CPU launch overhead of tiny models,
-data loading.
+data loading, stragglers and failures (which grow with the job: see CHECKED_GPUS).
+duoka.plan.scaling tabulates this model from one node to the whole job; duoka.plan.published
+sets it beside torchtitan's and Megatron-LM's published runs.
 """
 
 from __future__ import annotations
@@ -42,6 +52,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 
 from duoka.errors import DuokaError
@@ -60,15 +71,9 @@ from duoka.plan.memory import (
     stage_layer_counts,
     state_bytes,
 )
+from duoka.plan.network import DEFAULT_NETWORK, INTERCONNECTS, Fabric, make_fabric, preset
 
-# ---- hardware constants (bytes/s per GPU, as NCCL's bus bandwidth)
-# NVLink 4 (H100/H200 SXM) is 450 GB/s per direction; all-reduce reaches ~327 GB/s bus
-# bandwidth on the lent H200s (design.md), so 350 is a fair planning figure.
-LINK_BYTES_PER_S = {"nvlink": 350e9, "pcie": 25e9, "ib": 25e9}
-# PCIe 4.0 x16 is 32 GB/s raw, ~25 achieved; collectives through the host bridge get no
-# more. Across nodes: one 200 Gb/s NIC (HDR / NDR200 InfiniBand, or RoCE) per GPU.
-INTER_NODE_BYTES_PER_S = 25e9
-COLLECTIVE_LATENCY_S = 20e-6  # one NCCL collective's fixed cost inside a node
+# ---- hardware constants (the links between GPUs: duoka.plan.network)
 DEFAULT_PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16, when the GPU is not known
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100": 3.35e12, "H800": 3.35e12, "A100": 2.0e12, "B200": 8.0e12}
 DEFAULT_HBM_BYTES_PER_S = 3.35e12
@@ -88,6 +93,9 @@ TP_BLOCK_OVERHEAD_S = 12e-3
 # modelling the larger buckets' exposure without that contention would penalise DDP for a
 # change that made it faster (docs/performance.md).
 DDP_BUCKET_BYTES = 25 * 2**20
+# The all-reduces DDP launches: one per bucket of parallel.ddp_bucket_mb (default 1000 MB);
+# their count sets the latency paid, which matters across many nodes.
+DDP_LAUNCH_BUCKET_BYTES = 1000 * 2**20
 OPTIMIZER_BYTES_PER_PARAM = 32  # fused AdamW: read w, g, m, v (16), write w, m, v (12), grad norm (4)
 AC_RECOMPUTE = 4 / 3  # full checkpointing runs each block's forward (1/3 of its FLOPs) again
 
@@ -95,12 +103,29 @@ AC_RECOMPUTE = 4 / 3  # full checkpointing runs each block's forward (1/3 of its
 USABLE_FRACTION = 0.9  # a plan's reserved estimate must stay under this share of GPU memory
 TIE = 0.03  # step times within 3% of the fastest count as a tie: the simplest layout wins
 MAX_GPUS_SEARCHED = 4096
+# Up to a thousand GPUs the estimate has been set beside published runs (docs/plan.md);
+# beyond, it warns; past MAX_PLAN_GPUS it refuses: failures, stragglers and the topology of
+# the network's spine, none of which it models, decide runs of that size.
+CHECKED_GPUS = 1024
+MAX_PLAN_GPUS = 8192
 DEFAULT_SEQ = 2048
 TP_SIZES = (1, 2, 4, 8)
 FAMILY_ORDER = ("single", "ddp", "fsdp", "hsdp", "tp", "pp")
 
 
 # ---------------------------------------------------------------- inputs
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """How fast the training code runs on the GPUs, beside what the hardware allows: duoka's
+    measured constants by default. duoka.plan.published puts in a peer's (a faster tensor
+    parallel, another matmul efficiency) to set the model beside its published runs."""
+
+    gemm_efficiency: float = GEMM_EFFICIENCY
+    tp_block_overhead_s: float = TP_BLOCK_OVERHEAD_S
+    fsdp_unit_s: float = FSDP_UNIT_S
+    pp_split: str = "even"  # layers per pipeline stage: the trainer's `even`, or Megatron's `layers`
 
 
 @dataclass(frozen=True)
@@ -113,6 +138,11 @@ class Hardware:
     peak_flops: float = DEFAULT_PEAK_FLOPS
     hbm_bytes_per_s: float = DEFAULT_HBM_BYTES_PER_S
     detected: tuple[str, ...] = ()  # which fields came from this machine's GPUs
+    network: str = DEFAULT_NETWORK  # between nodes: a preset of duoka.plan.network.NETWORKS
+    intra_bytes_per_s: float | None = None  # --intra-bw: bus bandwidth per GPU inside a node, as measured
+    inter_gbps: float | None = None  # --inter-bw: NIC line rate per GPU across nodes (the preset's otherwise)
+    inter_step_s: float | None = None  # --inter-latency-us: one ring step across nodes
+    kernels: Kernels = Kernels()
 
     def __post_init__(self):
         if self.gpus < 1 or self.nodes < 1:
@@ -121,10 +151,19 @@ class Hardware:
             raise DuokaError(f"--gpus {self.gpus} (all GPUs of the job) do not split evenly over --nodes {self.nodes}",
                              f"give the total, a multiple of {self.nodes} (e.g. --gpus {self.nodes * 8} for "
                              f"{self.nodes} nodes of 8)")
+        if self.gpus > MAX_PLAN_GPUS:
+            raise DuokaError(f"--gpus {self.gpus} is beyond what this cost model means: at that size failures, "
+                             "stragglers and the network's spine decide the speed, and it models none of them",
+                             f"plan at most {MAX_PLAN_GPUS:,} GPUs, e.g. one pipeline or replica group of the job")
         if self.gpu_memory_gib <= 0:
             raise DuokaError(f"--gpu-memory {self.gpu_memory_gib} must be positive (GiB per GPU)")
-        if self.interconnect not in LINK_BYTES_PER_S:
+        if self.interconnect not in INTERCONNECTS:
             raise DuokaError(f"--interconnect {self.interconnect} is unknown", "use nvlink, pcie or ib")
+        preset(self.network)  # names the presets when unknown
+        for flag, value in (("--intra-bw", self.intra_bytes_per_s), ("--inter-bw", self.inter_gbps),
+                            ("--inter-latency-us", self.inter_step_s)):
+            if value is not None and value <= 0:
+                raise DuokaError(f"{flag} {value:g} must be positive", f"leave {flag} out to use the preset's figure")
 
     @property
     def gpus_per_node(self) -> int:
@@ -134,15 +173,27 @@ class Hardware:
     def usable_bytes(self) -> float:
         return USABLE_FRACTION * self.gpu_memory_gib * GIB
 
-    def bandwidth(self, crosses_nodes: bool) -> float:
-        if crosses_nodes:
-            return min(INTER_NODE_BYTES_PER_S, LINK_BYTES_PER_S[self.interconnect])
-        return LINK_BYTES_PER_S[self.interconnect]
+    @cached_property
+    def fabric(self) -> Fabric:
+        return make_fabric(self.gpus_per_node, self.interconnect, preset(self.network), self.intra_bytes_per_s,
+                           self.inter_gbps, self.inter_step_s)
+
+    def describe_network(self) -> str:
+        """The links as the cost model sees them: `nvlink 350 GB/s; across nodes ib-ndr: ...`."""
+        fab = self.fabric
+        inside = f"{self.interconnect} {fab.intra_bytes_per_s / 1e9:.0f} GB/s"
+        if self.nodes == 1:
+            return inside
+        what = f"--inter-bw {self.inter_gbps:g} Gb/s per GPU" if self.inter_gbps is not None else \
+            preset(self.network).what
+        return (f"{inside}; across nodes {self.network}: {what}; NCCL reaches {fab.inter_bytes_per_s / 1e9:.1f} "
+                f"GB/s per GPU, {fab.inter_step_s * 1e6:.1f} us per ring step")
 
     def describe(self) -> str:
         nodes = f" ({self.nodes} nodes of {self.gpus_per_node})" if self.nodes > 1 else ""
         name = f" {self.gpu_name}" if self.gpu_name else ""
-        return f"{self.gpus} x{name} {self.gpu_memory_gib:g} GiB{nodes}, {self.interconnect}"
+        net = f", {self.network}" if self.nodes > 1 else ""
+        return f"{self.gpus} x{name} {self.gpu_memory_gib:g} GiB{nodes}, {self.interconnect}{net}"
 
 
 def _local_gpus():
@@ -180,11 +231,14 @@ def _hbm_bandwidth(name: str) -> float:
 
 
 def detect_hardware(gpus: int | None = None, gpu_memory_gib: float | None = None, nodes: int = 1,
-                    interconnect: str | None = None, local_gpus=None) -> Hardware:
+                    interconnect: str | None = None, local_gpus=None, network: str | None = None,
+                    intra_bytes_per_s: float | None = None, inter_gbps: float | None = None,
+                    inter_step_s: float | None = None) -> Hardware:
     """The machine to plan for: what the flags say, the rest read from this machine's GPUs
     (NVML, honouring CUDA_VISIBLE_DEVICES). `local_gpus` (a list of GpuReading) replaces
     the NVML reading, for tests. --gpus counts every GPU of the job; without it, this
-    node's GPUs times --nodes."""
+    node's GPUs times --nodes. The network between nodes is never detected: DEFAULT_NETWORK
+    unless given (the plan says which it assumed)."""
     need_local = gpus is None or gpu_memory_gib is None
     local = local_gpus if local_gpus is not None else (_local_gpus() if need_local else [])
     detected = []
@@ -212,7 +266,8 @@ def detect_hardware(gpus: int | None = None, gpu_memory_gib: float | None = None
         else:
             interconnect = "nvlink"  # assumed: the usual data-centre node (stated in the output)
     return Hardware(gpus, nodes, float(gpu_memory_gib), interconnect, name,
-                    peak_flops(name) or DEFAULT_PEAK_FLOPS, _hbm_bandwidth(name), tuple(detected))
+                    peak_flops(name) or DEFAULT_PEAK_FLOPS, _hbm_bandwidth(name), tuple(detected),
+                    network or DEFAULT_NETWORK, intra_bytes_per_s, inter_gbps, inter_step_s)
 
 
 @dataclass(frozen=True)
@@ -306,7 +361,7 @@ def crosses_nodes(layout: Layout, dim: str, gpus_per_node: int) -> bool:
 @dataclass(frozen=True)
 class StepTime:
     compute_s: float  # the slowest rank's matmuls and attention, bubble included
-    tensor_parallel_s: float  # tp collectives (inside compute's pipeline term too)
+    tensor_parallel_s: float  # tp collectives and the tp implementation's overhead (on the critical path)
     fsdp_overhead_s: float
     data_parallel_s: float  # all of the dp traffic
     exposed_dp_s: float  # the part of it not hidden under compute
@@ -316,19 +371,46 @@ class StepTime:
     total_s: float
     tokens_per_s_per_gpu: float
     mfu: float
+    bubble_s: float = 0.0  # the pipeline's idle time, inside compute_s
+    dp_latency_s: float = 0.0  # the latency part of data_parallel_s (collective launches, ring steps)
+    dp_across_nodes: bool = False  # some dp group spans nodes (its bandwidth is the network's)
+
+    def overheads(self) -> dict[str, float]:
+        """Seconds of the step beyond the matmuls, by cause (what limits scaling)."""
+        return {"dp comm": self.exposed_dp_s, "tp": self.tensor_parallel_s, "pp bubble": self.bubble_s,
+                "pp sends": self.pipeline_p2p_s, "fsdp hooks": self.fsdp_overhead_s, "optimizer": self.optimizer_s}
+
+    def limit(self) -> tuple[str, float]:
+        """(the largest overhead, named so a reader knows what to change; its share of the step).
+        Exposed dp traffic says whether its latency (more ranks per group) or its bytes
+        (bandwidth) make most of it."""
+        name, seconds = max(self.overheads().items(), key=lambda kv: kv[1])
+        if name == "dp comm":
+            latency = self.data_parallel_s and self.dp_latency_s > 0.5 * self.data_parallel_s
+            name = "dp latency" if latency else "dp bandwidth"
+        return name, seconds / self.total_s
 
     def to_dict(self) -> dict:
         return {k: (round(v, 5) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
 
 
-def _stage_flops(args: ModelArgs, layout: Layout, seq_len: int, ac: bool) -> tuple[float, float]:
+def _stage_counts(n_layers: int, n_stages: int, split: str) -> list[int]:
+    """Decoder layers per pipeline stage: the trainer's `even` split (the embedding and the
+    head counted as a layer each), or `layers` (layers only, as Megatron-LM splits them)."""
+    if split == "layers":
+        return [n_layers // n_stages + (1 if s < n_layers % n_stages else 0) for s in range(n_stages)]
+    return stage_layer_counts(n_layers, n_stages)
+
+
+def _stage_flops(args: ModelArgs, layout: Layout, seq_len: int, ac: bool, split: str = "even"
+                 ) -> tuple[float, float]:
     """(training FLOPs per token of the busiest pipeline rank, of the whole model)."""
     _, _, block_mm = block_params(args)
     layer = 6 * block_mm + 12 * args.n_heads * args.resolved_head_dim * seq_len
     head = 6 * args.vocab_size * args.dim
     layer_ac = layer * (AC_RECOMPUTE if ac else 1.0)
     n_stages = layout.pp * layout.stages_per_rank
-    counts = stage_layer_counts(args.n_layers, n_stages)
+    counts = _stage_counts(args.n_layers, n_stages, split)
     busiest = 0.0
     for rank in range(layout.pp):
         stages = range(rank, n_stages, layout.pp)
@@ -337,37 +419,59 @@ def _stage_flops(args: ModelArgs, layout: Layout, seq_len: int, ac: bool) -> tup
     return busiest, args.n_layers * layer + head
 
 
+def _mesh_strides(layout: Layout) -> dict[str, int]:
+    """Rank distance between neighbours of each mesh dimension: the mesh is pp x
+    dp_replicate x dp_shard x tp with tp innermost, as the trainer builds it."""
+    return {"tp": 1, "dp_shard": layout.tp, "dp_replicate": layout.tp * layout.dp_shard,
+            "pp": layout.tp * layout.dp_shard * layout.dp_replicate}
+
+
+def _exposed(traffic: float, window: float, units: int) -> float:
+    """Seconds of `traffic` (split into `units` equal collectives) that compute does not
+    hide: the first (or last) unit's share waits with nothing to overlap it; the rest runs
+    beside the `window` of compute and shows where it outlasts it."""
+    if traffic <= 0:
+        return 0.0
+    return traffic / units + max(0.0, traffic * (1 - 1 / units) - window)
+
+
 def estimate_step_time(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, global_batch: int,
                        ac: bool, hw: Hardware) -> StepTime:
     """Seconds per optimizer step on one GPU, by the cost model in the module docstring."""
     tp, pp, v = layout.tp, layout.pp, layout.stages_per_rank
+    kern, fab = hw.kernels, hw.fabric
     per_rank = global_batch // layout.dp_size
     m = per_rank // micro_batch  # micro-batches per step (the pipeline's under pp)
     tokens_mb = micro_batch * seq_len
 
-    busiest, model_flops = _stage_flops(args, layout, seq_len, ac)
+    busiest, model_flops = _stage_flops(args, layout, seq_len, ac, kern.pp_split)
     elements = tokens_mb * args.dim / tp
-    efficiency = GEMM_EFFICIENCY * elements / (elements + HALF_SPEED_ELEMENTS)
+    efficiency = kern.gemm_efficiency * elements / (elements + HALF_SPEED_ELEMENTS)
     compute_mb = tokens_mb * busiest / tp / (hw.peak_flops * efficiency)
 
     # Layers this rank runs per micro-batch (for per-layer costs).
-    counts = stage_layer_counts(args.n_layers, pp * v)
+    counts = _stage_counts(args.n_layers, pp * v, kern.pp_split)
     rank_layers = max(sum(counts[s] for s in range(r, pp * v, pp)) for r in range(pp))
     tp_mb = 0.0
-    if tp > 1:
-        per_collective = 2 * tokens_mb * args.dim * (tp - 1) / tp / hw.bandwidth(False) + COLLECTIVE_LATENCY_S
+    if tp > 1:  # within a node (enumerate_layouts): an all-gather or reduce-scatter of the bf16 activation
+        per_collective = fab.all_gather_s(2 * tokens_mb * args.dim, tp)
         tp_mb = (rank_layers * (12 if ac else 8) + 4) * per_collective
-        tp_mb += rank_layers * TP_BLOCK_OVERHEAD_S * (AC_RECOMPUTE if ac else 1.0)
+        tp_mb += rank_layers * kern.tp_block_overhead_s * (AC_RECOMPUTE if ac else 1.0)
     # Without resharding only the forward gathers: one pass of per-unit cost fewer (7B on
     # 2 x H200: -22 ms per micro-batch of 4 over 28 blocks, bench/results/speed.md).
     passes = 1 if pp == 1 and not layout.reshard_after_forward else 2
     # Without resharding, small blocks are grouped into larger units (the trainer's
     # parallel.fsdp_blocks_per_unit=-1): fewer units, less per-unit cost.
     per_unit = auto_blocks_per_unit(args, micro_batch, seq_len, tp, layout.reshard_after_forward or pp > 1)
-    fsdp_mb = FSDP_UNIT_S * passes * (math.ceil(rank_layers / per_unit) + 1) if layout.fsdp else 0.0
+    units = math.ceil(rank_layers / per_unit) + 1  # + the root (embedding, final norm, head)
+    fsdp_mb = kern.fsdp_unit_s * passes * units if layout.fsdp else 0.0
     rank_mb = compute_mb + tp_mb + fsdp_mb
     pipelined = rank_mb * (m + (pp - 1) / v)
     bubble = ((pp - 1) / v) / (m + (pp - 1) / v) if pp > 1 else 0.0
+    # The windows dp traffic can hide under: one micro-batch's forward (1/3 of the FLOPs, 1/4
+    # under checkpointing, whose backward recomputes it) and its backward.
+    fwd_mb = rank_mb / 3 / (AC_RECOMPUTE if ac else 1.0)
+    bwd_mb = rank_mb - fwd_mb
 
     # Parameters this rank holds after tp/pp (the largest pipeline rank), before dp sharding.
     p_block, p_block_tp, _ = block_params(args)
@@ -375,26 +479,46 @@ def estimate_step_time(args: ModelArgs, layout: Layout, micro_batch: int, seq_le
     vocab_rows = args.vocab_size * args.dim / tp
     local = rank_layers * block_local + (2 * vocab_rows if pp == 1 and not args.tie_word_embeddings else vocab_rows)
 
-    dp_s, units = 0.0, math.ceil(rank_layers / per_unit) + 1
+    # Data-parallel traffic: one forward (or backward) pass's all-gathers, and the gradient
+    # reduction, which the trainer runs in the last micro-batch's backward only (no_sync /
+    # set_requires_gradient_sync before it): its window is that one backward.
+    stride, gpn = _mesh_strides(layout), hw.gpus_per_node
+    gather = reduce = gather_lat = reduce_lat = 0.0
+    across = False
     if layout.ddp_wrapper:
         d = layout.dp_replicate
-        dp_s = 2 * (d - 1) / d * 4 * local / hw.bandwidth(crosses_nodes(layout, "dp_replicate", hw.gpus_per_node))
+        launches = max(1, math.ceil(4 * local / DDP_LAUNCH_BUCKET_BYTES))
+        reduce = launches * fab.all_reduce_s(4 * local / launches, d, stride["dp_replicate"])
+        reduce_lat = launches * fab.all_reduce_s(0.0, d, stride["dp_replicate"])
         units = max(1, math.ceil(4 * local / DDP_BUCKET_BYTES))
+        across = crosses_nodes(layout, "dp_replicate", gpn)
     elif layout.fsdp:
         s, r = layout.dp_shard, layout.dp_replicate
-        shard_bw = hw.bandwidth(crosses_nodes(layout, "dp_shard", hw.gpus_per_node))
-        if s > 1:
-            # Under pp the trainer keeps stages gathered across micro-batches: one gather.
-            gathers = 1 if pp > 1 else m * (2 if layout.reshard_after_forward else 1)
-            dp_s += (gathers * 2 * local + 4 * local) * (s - 1) / s / shard_bw
-        if r > 1:
-            rep_bw = hw.bandwidth(crosses_nodes(layout, "dp_replicate", hw.gpus_per_node))
-            dp_s += 2 * (r - 1) / r * 4 * local / s / rep_bw
-    exposed = dp_s / units + max(0.0, dp_s * (1 - 1 / units) - pipelined)
+        if s > 1:  # per unit: all-gather its bf16 weights; reduce-scatter its fp32 gradients
+            gather = units * fab.all_gather_s(2 * local / units, s, stride["dp_shard"])
+            gather_lat = units * fab.all_gather_s(0.0, s, stride["dp_shard"])
+            reduce = units * fab.reduce_scatter_s(4 * local / units, s, stride["dp_shard"])
+            reduce_lat = gather_lat
+        if r > 1:  # HSDP: the shards' all-reduce across replicas (the trainer's mesh keeps shards inner)
+            reduce += units * fab.all_reduce_s(4 * local / s / units, r, stride["dp_replicate"])
+            reduce_lat += units * fab.all_reduce_s(0.0, r, stride["dp_replicate"])
+        across = (s > 1 and crosses_nodes(layout, "dp_shard", gpn)) or \
+                 (r > 1 and crosses_nodes(layout, "dp_replicate", gpn))
+    if pp > 1:  # the trainer keeps stages gathered across micro-batches: one gather per step
+        dp_s, dp_lat = gather + reduce, gather_lat + reduce_lat
+        exposed = _exposed(gather, fwd_mb, units) + _exposed(reduce, bwd_mb, units)
+    else:
+        regather = layout.fsdp and layout.reshard_after_forward  # backward gathers the weights again
+        dp_s = m * gather * (2 if regather else 1) + reduce
+        dp_lat = m * gather_lat * (2 if regather else 1) + reduce_lat
+        back = gather if regather else 0.0
+        exposed = (m * _exposed(gather, fwd_mb, units) + (m - 1) * _exposed(back, bwd_mb, units)
+                   + _exposed(back + reduce, bwd_mb, units))
 
     p2p = 0.0
-    if pp > 1:
-        p2p = m * v * 2 * (2 * tokens_mb * args.dim) / hw.bandwidth(crosses_nodes(layout, "pp", hw.gpus_per_node))
+    if pp > 1:  # each micro-batch's activation forward and its gradient back, per stage; under tp
+        # each rank sends its 1/tp of the sequence (sequence parallel: blocks output Shard(1))
+        p2p = m * v * 2 * fab.send_s(2 * tokens_mb * args.dim / tp, crosses_nodes(layout, "pp", gpn))
     shard = layout.dp_shard if layout.fsdp else 1
     optimizer = OPTIMIZER_BYTES_PER_PARAM * local / shard / hw.hbm_bytes_per_s
     total = pipelined + exposed + p2p + optimizer
@@ -403,7 +527,8 @@ def estimate_step_time(args: ModelArgs, layout: Layout, micro_batch: int, seq_le
     return StepTime(compute_s=compute_mb * (m + (pp - 1) / v), tensor_parallel_s=tp_mb * m,
                     fsdp_overhead_s=fsdp_mb * m, data_parallel_s=dp_s, exposed_dp_s=exposed,
                     pipeline_bubble=bubble, pipeline_p2p_s=p2p, optimizer_s=optimizer, total_s=total,
-                    tokens_per_s_per_gpu=tokens / total / hw.gpus, mfu=mfu)
+                    tokens_per_s_per_gpu=tokens / total / hw.gpus, mfu=mfu,
+                    bubble_s=rank_mb * (pp - 1) / v, dp_latency_s=dp_lat, dp_across_nodes=across)
 
 
 # ---------------------------------------------------------------- the plan
@@ -583,6 +708,24 @@ def explain(ranked: list[Candidate], rejected: list[Candidate], hw: Hardware) ->
     return text + "; " + tail
 
 
+def hardware_notes(hw: Hardware) -> list[str]:
+    """What the plan assumed about the GPUs' links, and where its estimate stops holding."""
+    notes = []
+    if "interconnect" not in hw.detected and hw.interconnect == "nvlink":
+        notes.append("interconnect assumed nvlink (set --interconnect pcie for GPUs without NVLink)")
+    if hw.nodes > 1:
+        given = hw.inter_gbps is not None or hw.network != DEFAULT_NETWORK
+        notes.append(f"links: {hw.describe_network()}" + ("" if given else " (assumed; set --network or --inter-bw)"))
+    if hw.gpus_per_node > 8 and hw.interconnect != "ib":
+        notes.append(f"{hw.gpus_per_node} GPUs per node share one {hw.interconnect} domain (as in a GB200 NVL72); "
+                     f"for servers of 8 give --nodes {max(1, hw.gpus // 8)}")
+    if hw.gpus > CHECKED_GPUS:
+        notes.append(f"beyond {CHECKED_GPUS:,} GPUs this estimate is set beside Megatron-LM's published runs only "
+                     "(docs/plan.md); failures, stragglers and network congestion, which it leaves out, grow with "
+                     "the job")
+    return notes
+
+
 def make_plan(model: ModelChoice, hw: Hardware, seq_len: int | None = None,
               global_batch: int | None = None) -> Plan:
     """The ranked plan; a DuokaError naming the smallest GPU count that works when nothing
@@ -605,10 +748,7 @@ def make_plan(model: ModelChoice, hw: Hardware, seq_len: int | None = None,
         notes.append(f"global batch {global_batch} (8 sequences per GPU; set --global-batch)")
     if global_batch < 1:
         raise DuokaError(f"--global-batch {global_batch} must be >= 1")
-    if "interconnect" not in hw.detected and hw.interconnect == "nvlink":
-        notes.append("interconnect assumed nvlink (set --interconnect pcie for GPUs without NVLink)")
-    if hw.nodes > 1:
-        notes.append(f"across nodes: {INTER_NODE_BYTES_PER_S / 1e9:.0f} GB/s per GPU (InfiniBand/RoCE)")
+    notes += hardware_notes(hw)
     layouts = enumerate_layouts(args, hw.gpus, hw.gpus_per_node)
     candidates = evaluate(args, hw, seq_len, global_batch, layouts)
     if not candidates:
@@ -629,8 +769,9 @@ def make_plan(model: ModelChoice, hw: Hardware, seq_len: int | None = None,
                      "traffic; this estimate does not include that saving), and a step without accumulation "
                      "(micro-batch = per-rank batch) does not hold them")
     # Switches the ranking does not model: measured on 2 x H200 (docs/performance.md).
-    speed = ("training.compile=true: 1.65x eager for 0.5B under DDP, faster in every DDP and FSDP2 case measured "
-             "(not yet measured under tp or pp), and no more memory than estimated")
+    speed = ("training.compile (on by default on GPUs; false turns it off): 1.65x eager for 0.5B under DDP, faster "
+             "in every DDP and FSDP2 case measured (not yet measured under tp or pp), and no more memory than "
+             "estimated")
     if args.num_params() >= 1e9:
         speed += ("; training.float8=tensorwise on GPUs of compute capability 8.9+: +14% (1.5B) to +30% (7B) "
                   "measured, not bit-equal to bf16 (compare the loss curve)")
