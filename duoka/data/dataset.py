@@ -27,6 +27,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
+from duoka.cache import cache_home
 from duoka.errors import DuokaError
 from duoka.models.qwen2.model import document_starts
 
@@ -173,8 +174,7 @@ def cache_key(files: list[Path], *parts: object) -> str:
 
 
 def _cache_dir() -> Path:
-    base = os.environ.get("DUOKA_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "duoka")
-    return Path(base).expanduser() / "tokens"
+    return cache_home() / "tokens"
 
 
 def end_of_text_id(tokenizer) -> int:

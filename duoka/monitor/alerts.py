@@ -66,8 +66,9 @@ def check(record: dict, n_params: float, *, imbalance=0.15, memory=0.90, data_wa
     mfu = record.get("mfu")
     if mfu is not None and mfu < 0.5 * expected_mfu(n_params):
         out.append(Alert("low_mfu", f"MFU {mfu:.0%} is under half of the ~{expected_mfu(n_params):.0%} this model "
-                                    "reaches on these GPUs: use training.compile=true, a larger micro-batch, and see "
-                                    "the step breakdown in metrics.jsonl (phase_s) for what dominates"))
+                                    "reaches on these GPUs: keep training.compile on (its default on GPUs), use a "
+                                    "larger micro-batch, and see the step breakdown in metrics.jsonl (phase_s) for "
+                                    "what dominates"))
     return out
 
 

@@ -1,0 +1,150 @@
+"""training.compile for this run: resolved for the device, then checked on every rank before
+the model is built.
+
+torch.compile is lazy: a compiler that fails on this machine (no C compiler for Triton's
+launcher or Inductor's CPU kernels, a GPU too old for Triton, an unwritable cache folder)
+fails at the first forward, inside the first step, where some ranks may already wait in
+a collective that the failing rank will never join. So one small decoder block is
+compiled and run forward and backward first, on the run's device, dtype and kernels, and
+every rank shares its outcome: where any rank fails, all build the uncompiled model, and
+rank 0 prints one warning naming the cause and the switch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from duoka.errors import DuokaError
+from duoka.models.qwen2.args import ModelArgs, ModelOptions
+from duoka.models.qwen2.model import TransformerBlock, document_mask, rope_cos_sin
+
+# The check's input: two rows of two documents each, long enough for every attention kernel.
+CHECK_BATCH, CHECK_SEQ = 2, 64
+CAUSE_CHARS = 240  # of the error's message in the one-line warning; the whole error goes to a file
+
+
+def compile_wanted(choice: bool | str, device: torch.device) -> bool:
+    """training.compile: auto is on for CUDA, off on CPU (there compiling a step takes
+    longer than the steps of a CPU-sized run save)."""
+    return device.type == "cuda" if choice == "auto" else bool(choice)
+
+
+def failing_ranks(text: str, world: int) -> set[int]:
+    """debug.fail_compile_ranks: "" (none), "all", or comma-separated ranks."""
+    if not text:
+        return set()
+    if text == "all":
+        return set(range(world))
+    try:
+        ranks = {int(part) for part in text.split(",")}
+    except ValueError:
+        ranks = {-1}
+    if not ranks <= set(range(world)):
+        raise DuokaError(f"debug.fail_compile_ranks={text!r} names no ranks of this {world}-process job",
+                         f'give ranks from 0 to {world - 1}, comma-separated (e.g. "1"), or "all"')
+    return ranks
+
+
+def check_args(args: ModelArgs) -> ModelArgs:
+    """A block with the model's attention shape (head width, query heads per KV head) and a
+    single KV head: the same kernels as the model's blocks, at a size any device holds."""
+    ratio, head_dim = args.n_heads // args.n_kv_heads, args.resolved_head_dim
+    return args.replace(n_heads=ratio, n_kv_heads=1, head_dim=head_dim, dim=ratio * head_dim,
+                        intermediate_size=2 * ratio * head_dim)
+
+
+def _block_step(block: TransformerBlock, x: torch.Tensor, rope, mask) -> torch.Tensor:
+    # A function of its own: dynamo caches graphs per code object, so the check's graph
+    # never sits in the cache of the model's own compiled bodies (whose sizes it would vary).
+    return block(x, rope, mask)
+
+
+def _injected_failure(gm, example_inputs):
+    """A torch.compile backend that fails as a broken compiler would (debug.fail_compile_ranks)."""
+    raise RuntimeError("compiler failure injected by debug.fail_compile_ranks")
+
+
+def check_compile(args: ModelArgs, options: ModelOptions, param_dtype: torch.dtype,
+                  autocast_dtype: torch.dtype | None, device: torch.device, documents: bool,
+                  inject_failure: bool = False) -> BaseException | None:
+    """Compile one block (check_args) with `options`' kernels as one fullgraph region and
+    run its forward and backward on `device`, with parameters in `param_dtype` under
+    autocast to `autocast_dtype` (None: none) as the training step runs them, and the
+    document mask when `documents`. Returns what failed, None when it all worked."""
+    small = check_args(args)
+    gen = torch.Generator(device=device).manual_seed(0)  # the training's random streams stay untouched
+    try:
+        with torch.device(device):
+            block = TransformerBlock(small, options.replace(compile="none", compile_loss=False))
+        with torch.no_grad():
+            for p in block.parameters():
+                p.normal_(0.0, small.initializer_range, generator=gen)
+        block.to(param_dtype)
+        x = torch.randn(CHECK_BATCH, CHECK_SEQ, small.dim, device=device, generator=gen).to(param_dtype)
+        x.requires_grad_(True)
+        positions = torch.arange(CHECK_SEQ, device=device)
+        mask = None
+        if documents:
+            ids = (positions >= CHECK_SEQ // 2).long().expand(CHECK_BATCH, CHECK_SEQ)
+            positions = positions % (CHECK_SEQ // 2)
+            mask = document_mask(ids, options.document_masking)
+        rope = rope_cos_sin(positions, small.resolved_head_dim, small.rope_theta, x.dtype)
+        step = torch.compile(_block_step, fullgraph=True, dynamic=False,
+                             backend=_injected_failure if inject_failure else "inductor")
+        autocast = torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext()
+        with autocast:
+            out = step(block, x, rope, mask)
+        out.float().square().mean().backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # a kernel that cannot run on this GPU fails at launch
+    except Exception as e:  # whatever the compiler raises, from any of its stages
+        return e
+    return None
+
+
+def describe(error: BaseException) -> str:
+    """The error on one line, cut to CAUSE_CHARS: the backend's own error rather than
+    torch's wrapper of it (BackendCompilerFailed keeps it as inner_exception)."""
+    inner = getattr(error, "inner_exception", None)
+    shown = inner if isinstance(inner, BaseException) else error
+    text = " ".join(str(shown).split())
+    text = text if len(text) <= CAUSE_CHARS else text[:CAUSE_CHARS - 3] + "..."
+    return f"{type(shown).__name__}: {text}" if text else type(shown).__name__
+
+
+def error_path(run_dir: str | Path, rank: int) -> Path:
+    return Path(run_dir) / f"compile-error-rank{rank}.txt"
+
+
+def agree_to_compile(check, rank: int, world: int, run_dir: str | Path, console) -> bool:
+    """Run `check` (a check_compile call) on this rank and decide with every other rank:
+    True if it worked everywhere. Every rank takes part in the one all_gather, whatever its
+    own outcome, so all build the same model and issue the same collectives from here on.
+    A failing rank writes its whole error to compile-error-rank<R>.txt in the run
+    directory; rank 0 prints one warning naming the first failure and the switch."""
+    path = error_path(run_dir, rank)
+    path.unlink(missing_ok=True)  # an earlier run's
+    started = time.perf_counter()
+    error = check()
+    seconds = time.perf_counter() - started
+    if error is not None:
+        with contextlib.suppress(OSError):  # the warning still names the cause
+            path.write_text("".join(traceback.format_exception(error)))
+    causes: list = [None] * world
+    dist.all_gather_object(causes, describe(error) if error is not None else None)
+    failed = [(r, cause) for r, cause in enumerate(causes) if cause is not None]
+    if not failed:
+        console.print(f"compile check: a decoder block compiled in {seconds:.1f} s")
+        return True
+    first, cause = failed[0]
+    where = f"rank {first}" if len(failed) == 1 else f"ranks {', '.join(str(r) for r, _ in failed)}"
+    console.warning(f"torch.compile failed on {where} ({cause}; whole error in {error_path(run_dir, first)}), so "
+                    "every rank trains uncompiled, which is slower: fix the cause, or set "
+                    "--training.compile=false to skip compiling")
+    return False
