@@ -33,7 +33,9 @@ def add_generate_parser(sub) -> None:
                                    "serve`). Only the generated text goes to stdout; load and speed figures go to "
                                    "stderr.")
     p.add_argument("--model", default=None,
-                   help="model folder or hub id (default: the tiny model bundled with duoka)")
+                   help="model folder or hub id (default: the tiny model bundled with duoka, or --adapter's base)")
+    p.add_argument("--adapter", default=None,
+                   help="a PEFT LoRA adapter folder (a LoRA run's hf/step-N), merged into the model's weights at load")
     p.add_argument("--prompt", default=None, help="prompt text (default: read stdin when it is not a terminal)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     p.add_argument("--system", default=None, help="system message for --chat")
@@ -55,6 +57,7 @@ def add_generate_parser(sub) -> None:
 def run_generate(a: argparse.Namespace) -> int:
     from duoka.serve.engine import LLMEngine
     from duoka.serve.params import SamplingParams
+    from duoka.serve.runner import ModelRunner
 
     params = SamplingParams(max_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                             top_p=a.top_p, seed=a.seed, ignore_eos=a.ignore_eos)
@@ -62,12 +65,15 @@ def run_generate(a: argparse.Namespace) -> int:
     if prompt is None and sys.stdin is not None and not sys.stdin.isatty():
         prompt = sys.stdin.read() or None
     if prompt is None:
-        if a.model is not None:
+        if a.model is not None or a.adapter is not None:
             raise DuokaError("no prompt given", 'pass --prompt "..." or pipe text on stdin')
         prompt = DEFAULT_PROMPT
 
-    engine = LLMEngine(a.model, device=a.device, dtype=a.dtype, max_num_seqs=1, cuda_graphs=not a.enforce_eager,
-                       compile=False if a.enforce_eager else None, log=log)
+    model, runner = a.model, ModelRunner
+    if a.adapter is not None:
+        model, runner = _adapter_runner(Path(a.adapter), a.model)
+    engine = LLMEngine(model, device=a.device, dtype=a.dtype, max_num_seqs=1, cuda_graphs=not a.enforce_eager,
+                       compile=False if a.enforce_eager else None, log=log, runner_factory=runner)
     if a.chat:
         messages = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": prompt}]
         ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -87,6 +93,25 @@ def run_generate(a: argparse.Namespace) -> int:
     log(f"duoka: prompt {len(ids)} tokens, generated {len(stamps)} tokens in {stamps[-1]:.2f} s "
         f"(first token {stamps[0] * 1000:.0f} ms{_steady_rate(stamps)})")
     return 0
+
+
+def _adapter_runner(adapter_dir: Path, model: str | None):
+    """(the base to load, a runner factory that merges the adapter into the loaded weights
+    before the runner exists, so its CUDA graphs and compiled steps see the merged ones)."""
+    from duoka.models.qwen2.peft import merge_adapter, read_adapter
+    from duoka.serve.runner import ModelRunner
+
+    adapter = read_adapter(adapter_dir)
+    base = model or adapter.base
+    if base is None:
+        raise DuokaError(f"{adapter_dir / 'adapter_config.json'} names no base model (base_model_name_or_path)",
+                         "give the base model with --model")
+    log(f"duoka: adapter {adapter_dir} on {base}, merged at load")
+
+    def runner(loaded, *args, **kwargs):
+        return ModelRunner(merge_adapter(loaded, adapter), *args, **kwargs)
+
+    return base, runner
 
 
 def _steady_rate(stamps: list[float]) -> str:
@@ -160,19 +185,30 @@ def run_serve(a: argparse.Namespace) -> int:
 
 def add_train_parser(sub) -> None:
     p = sub.add_parser(
-        "train", help="train or fine-tune on this machine's GPUs (or its CPU); no arguments: a one-minute demo "
-                      "on the bundled corpus",
+        "train", help="train or fine-tune on this machine's GPUs (or its CPU), or on many nodes under Slurm or "
+                      "Kubernetes (--slurm-script writes the batch job); no arguments: a one-minute demo on the "
+                      "bundled corpus",
         description="Train on every visible GPU (or one CPU process). Config: defaults < CFG.toml < "
-                    "--section.key=value overrides; see docs/config.md.")
+                    "--section.key=value overrides; see docs/config.md. Under Slurm (srun, one task per node) "
+                    "and in a Kubernetes Indexed Job or Kubeflow PyTorchJob the launch flags left out come from "
+                    "the scheduler's environment; see docs/cluster.md.")
     p.add_argument("config", nargs="?", help="TOML config file")
     p.add_argument("--nproc-per-node", type=int, default=None, help="worker processes on this node "
-                   "(default: one per selected GPU, or 1 without GPUs)")
-    p.add_argument("--nnodes", type=int, default=1)
-    p.add_argument("--node-rank", type=int, default=0)
-    p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of node 0 (c10d rendezvous)")
+                   "(default: one per selected GPU, or 1 without GPUs; with --slurm-script: GPUs per node)")
+    p.add_argument("--nnodes", type=int, default=None, help="nodes in the job (default: the scheduler's count, else 1)")
+    p.add_argument("--node-rank", type=int, default=None, help="this node's rank (default: the scheduler's, else 0)")
+    p.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of node 0 (c10d rendezvous; default under "
+                   "Slurm: the first host of the job's node list)")
     p.add_argument("--gpus", default=None, help="nvidia-smi indices (0,3) or auto:N for the N least busy GPUs")
     p.add_argument("--max-restarts", type=int, default=0, help="restart the workers this many times after a "
                    "failure, each time from the newest intact checkpoint (as torchrun's flag)")
+    p.add_argument("--slurm-script", metavar="FILE", default=None,
+                   help="write an sbatch script that runs this command on --nnodes nodes (with --nproc-per-node "
+                        "GPUs each; default: this machine's count), requeued after preemption and ahead of the "
+                        "time limit, resuming its own run; then submit it with sbatch FILE")
+    p.add_argument("--sbatch", metavar="OPTION", action="append", default=[],
+                   help="with --slurm-script: one more #SBATCH line, e.g. --sbatch=--time=24:00:00 "
+                        "--sbatch=--partition=gpu (repeatable)")
     p.set_defaults(func=run_train)
 
 
@@ -182,6 +218,14 @@ def run_train(a: argparse.Namespace) -> int:
     143 SIGTERM), with the command to continue; a worker's own code (75: a hang)."""
     from duoka.launcher import TrainingStopped, WorkerFailed, launch_training
 
+    if a.sbatch and not a.slurm_script:
+        raise DuokaError("--sbatch adds lines to the script --slurm-script writes", "add --slurm-script FILE")
+    if a.slurm_script:
+        from duoka.launcher import write_slurm_script
+
+        write_slurm_script(a.slurm_script, a.config, a.overrides, a.nnodes, a.nproc_per_node, a.node_rank,
+                           a.rdzv_endpoint, a.gpus, a.max_restarts, a.sbatch, log)
+        return 0
     try:
         launch_training(a.config, a.overrides, a.nproc_per_node, a.nnodes, a.node_rank, a.rdzv_endpoint, a.gpus,
                         log=log, max_restarts=a.max_restarts)
@@ -226,19 +270,37 @@ def add_export_parser(sub) -> None:
                                       "in RUN/hf/ already)",
                        description="Convert RUN_DIR/checkpoints/step-N (torch.distributed.checkpoint, any layout) "
                                    "into config.json + safetensors + tokenizer files that transformers loads.")
-    p.add_argument("checkpoint", help="a checkpoints/step-N folder")
+    p.add_argument("checkpoint", help="a checkpoints/step-N folder, or with --merge a LoRA adapter folder")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"))
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"),
+                   help="of the whole model written (a LoRA adapter keeps its fp32)")
     p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--merge", action="store_true",
+                   help="LoRA: write the base with the adapter merged in, as a whole model (default: the adapter, "
+                        "in PEFT's format)")
+    p.add_argument("--base", default=None,
+                   help="with --merge: the base model's folder or hub id (default: the one the checkpoint or "
+                        "adapter_config.json names)")
     p.set_defaults(func=run_export)
 
 
 def run_export(a: argparse.Namespace) -> int:
-    from duoka.train.export import export_checkpoint
+    from duoka.models.qwen2.peft import is_adapter_folder
+    from duoka.train.export import export_checkpoint, merge_adapter_folder
 
     t = time.perf_counter()
-    out = export_checkpoint(Path(a.checkpoint), Path(a.out), a.dtype, a.max_shard_size,
-                            warn=lambda message: log(f"duoka: warning: {message}"))
+    source = Path(a.checkpoint)
+    if a.base is not None and not a.merge:
+        raise DuokaError("--base is the base to merge into, and --merge is not given", "add --merge, or drop --base")
+    if is_adapter_folder(source):
+        if not a.merge:
+            raise DuokaError(f"{source} is a LoRA adapter already (adapter_config.json)",
+                             "add --merge to write its base with the adapter merged in")
+        out = merge_adapter_folder(source, Path(a.out), a.dtype, a.max_shard_size, a.base)
+    else:
+        out = export_checkpoint(source, Path(a.out), a.dtype, a.max_shard_size,
+                                warn=lambda message: log(f"duoka: warning: {message}"), merge=a.merge,
+                                base=a.base)
     log(f"duoka: exported {a.checkpoint} -> {out} in {time.perf_counter() - t:.1f} s")
     print(out)
     return 0
@@ -254,7 +316,8 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--model", required=True, help="flavor (qwen2-7b, or 7b for short) or a Hugging Face folder / hub id")
     p.add_argument("--gpus", type=int, default=None, help="GPUs of the whole job, all nodes together "
                    "(default: this node's visible GPUs x --nodes)")
-    p.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (default 1)")
+    p.add_argument("--nodes", type=int, default=None, help="nodes the GPUs are spread over (default 1; with "
+                   "--scaling, nodes of 8)")
     p.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
                    help="memory of one GPU in GiB (default: read from this machine's GPUs)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048, or the model's "
@@ -262,6 +325,24 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (default 8 per GPU)")
     p.add_argument("--interconnect", choices=("nvlink", "pcie", "ib"), default=None,
                    help="link between the GPUs of one node (default: detected, else nvlink); ib: none but the NIC")
+    from duoka.plan.network import DEFAULT_NETWORK, NETWORKS
+
+    p.add_argument("--network", choices=tuple(NETWORKS), default=None,
+                   help=f"the network between nodes (default {DEFAULT_NETWORK}): ib-ndr/ib-hdr/roce-400/roce-200 a "
+                        "NIC of 400/200 Gb/s per GPU with RDMA; eth-400/200/100 one NIC per node, TCP")
+    p.add_argument("--intra-bw", type=float, default=None, metavar="GB/s",
+                   help="bus bandwidth per GPU inside a node, as nccl-tests reports it (default: 350 nvlink, 25 pcie)")
+    p.add_argument("--inter-bw", type=float, default=None, metavar="Gb/s",
+                   help="NIC line rate per GPU across nodes (default: the --network's; e.g. one 100 Gb/s NIC shared "
+                        "by 8 GPUs is 12.5)")
+    p.add_argument("--inter-latency-us", type=float, default=None, metavar="us",
+                   help="one ring step across nodes (default 9.6, NCCL's figure for RDMA networks)")
+    p.add_argument("--scaling", nargs="?", const="weak", default=None, choices=("weak", "strong"),
+                   help="a table from one node to --gpus (default 1024): step time, tokens/s per GPU, efficiency "
+                        "and the largest overhead per size; weak (default): batch per GPU fixed, strong: global "
+                        "batch fixed")
+    p.add_argument("--family", choices=("ddp", "fsdp", "hsdp", "tp", "pp"), default=None,
+                   help="with --scaling: only layouts of this family at every size (default: the plan's first)")
     p.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
     p.add_argument("--json", action="store_true", help="print the whole plan as JSON instead of tables")
     p.add_argument("--out", default=None, help="write the recommended config to this TOML file")
@@ -274,7 +355,14 @@ def run_plan(a: argparse.Namespace) -> int:
     from duoka.plan.planner import detect_hardware, make_plan, render, resolve_model
 
     model = resolve_model(a.model)
-    hw = detect_hardware(a.gpus, a.gpu_memory, a.nodes, a.interconnect)
+    links = dict(network=a.network, inter_gbps=a.inter_bw,
+                 intra_bytes_per_s=a.intra_bw * 1e9 if a.intra_bw is not None else None,
+                 inter_step_s=a.inter_latency_us * 1e-6 if a.inter_latency_us is not None else None)
+    if a.family and not a.scaling:
+        raise DuokaError("--family picks the layouts of a --scaling table", "add --scaling, or drop --family")
+    if a.scaling:
+        return run_plan_scaling(a, model, links)
+    hw = detect_hardware(a.gpus, a.gpu_memory, a.nodes or 1, a.interconnect, **links)
     plan = make_plan(model, hw, a.seq, a.global_batch)
     if a.out:
         out = Path(a.out)
@@ -288,6 +376,27 @@ def run_plan(a: argparse.Namespace) -> int:
         render(plan, Console(), a.top)
     if a.out:
         log(f"duoka: wrote {a.out}")
+    return 0
+
+
+def run_plan_scaling(a: argparse.Namespace, model, links: dict) -> int:
+    import json
+
+    from duoka.plan.planner import detect_hardware
+    from duoka.plan.scaling import DEFAULT_SCALING_GPUS, plan_scaling, render_scaling, scaling_hardware
+
+    if a.out:
+        raise DuokaError("--out writes the config of one plan, and --scaling plans many sizes",
+                         "drop --scaling to write the config for --gpus, or drop --out")
+    gpus = a.gpus or DEFAULT_SCALING_GPUS
+    hw = scaling_hardware(detect_hardware(gpus, a.gpu_memory, 1, a.interconnect, **links), gpus, a.nodes)
+    result = plan_scaling(model, hw, a.seq, a.global_batch, a.scaling or "weak", a.family)
+    if a.json:
+        print(json.dumps(result.to_dict(), indent=1))
+    else:
+        from rich.console import Console
+
+        render_scaling(result, Console())
     return 0
 
 

@@ -27,15 +27,17 @@ else:  # pragma: no cover - Python 3.10
 
 
 def opt(default, help: str, *, choices: tuple | None = None, min: float | None = None, max: float | None = None,
-        kind: type | None = None):
-    """A config field with its documentation and limits in one place."""
-    meta = {"help": help, "choices": choices, "min": min, "max": max, "kind": kind}
+        kind: type | None = None, names: bool = False):
+    """A config field with its documentation and limits in one place. names: a string of
+    comma-separated names, which TOML may also give as an array of strings."""
+    meta = {"help": help, "choices": choices, "min": min, "max": max, "kind": kind, "names": names}
     return field(default=default, metadata=meta)
 
 
 @dataclass
 class JobConfig:
-    output_dir: str = opt("", "Run directory (config.toml, metrics.jsonl, checkpoints/). Empty: runs/<flavor>-<time>.")
+    output_dir: str = opt("", "Run directory (config.toml, metrics.jsonl, checkpoints/). Empty: runs/<flavor>-<time>; "
+                              "in a Slurm job runs/<flavor>-slurm-<job id>, which a requeued job finds again.")
 
 
 @dataclass
@@ -86,7 +88,17 @@ class TrainingConfig:
     grad_clip: float = opt(1.0, "Clip gradients to this global L2 norm; 0 disables clipping.", min=0.0)
     activation_checkpointing: str = opt("none", "`full` recomputes each decoder block in the backward pass "
                                                 "(less memory, about a third more compute).", choices=("none", "full"))
-    compile: bool = opt(False, "torch.compile each decoder block.")
+    compile: bool | str = opt("auto", "torch.compile each decoder block and the loss: faster steps after a first "
+                                      "step that compiles (its time is shown; the artefacts are kept in "
+                                      "compile_cache, so the next launch of the same layout compiles little). auto: "
+                                      "on for CUDA, off on CPU (where compiling costs more than it saves). Before "
+                                      "training, one small block is compiled as a check; where that fails on any "
+                                      "rank, a warning names the cause and every rank trains uncompiled.",
+                              kind=bool)
+    compile_cache: str = opt("", "Folder for torch.compile's artefacts (Inductor's FX graph and AOTAutograd caches, "
+                                 "Triton kernels under triton/), kept between runs. Empty: "
+                                 "$TORCHINDUCTOR_CACHE_DIR when set, else $DUOKA_CACHE/torch-compile, else "
+                                 "$XDG_CACHE_HOME/duoka/torch-compile (~/.cache/duoka/torch-compile).")
     float8: str = opt("none", "Train the decoder blocks' linear layers with float8 matmuls (torchao; GPUs of compute "
                               "capability 8.9 or newer; pair it with compile). tensorwise: one scale per tensor, the "
                               "fastest, and FSDP2 gathers the weights in float8; rowwise: one scale per row, closer "
@@ -124,6 +136,23 @@ class OptimizerConfig:
     beta1: float = opt(0.9, "AdamW beta1.", min=0.0, max=1.0)
     beta2: float = opt(0.95, "AdamW beta2.", min=0.0, max=1.0)
     eps: float = opt(1e-8, "AdamW epsilon.", min=0.0)
+
+
+@dataclass
+class LoRAConfig:
+    rank: int = opt(0, "LoRA (low-rank adapters, arXiv:2106.09685) on when > 0: the base weights are frozen and kept "
+                       "in the compute dtype (no fp32 copy, no optimizer state); only the adapters (and "
+                       "modules_to_save) train. The final hf/step-N is a PEFT adapter folder. See docs/lora.md.",
+                     min=0)
+    alpha: float = opt(0.0, "Scale of the adapter's product: alpha / rank. 0: twice the rank (LLaMA-Factory's "
+                            "default).", min=0.0)
+    dropout: float = opt(0.0, "Dropout on each adapter's input (as PEFT's lora_dropout).", min=0.0, max=0.99)
+    target_modules: str = opt("all-linear", "Linear layers that get adapters, by their Hugging Face names, "
+                                            "comma-separated (or a TOML array): q_proj, k_proj, v_proj, o_proj, "
+                                            "gate_proj, up_proj, down_proj; all-linear: all seven (not the "
+                                            "output head).", names=True)
+    modules_to_save: str = opt("", "Modules trained whole beside the adapters, comma-separated: embed_tokens, "
+                                   "lm_head (one matrix when the model ties them). Empty: none.", names=True)
 
 
 @dataclass
@@ -244,6 +273,9 @@ class DebugConfig:
                                         "where it is; steps are meant to have none, so the host runs ahead.")
     inject_nan_step: int = opt(0, "Fault injection for tests: step N's loss (1-based) is NaN on every rank. 0: off.",
                                min=0)
+    fail_compile_ranks: str = opt("", "Fault injection for tests: the compile check (training.compile) fails on these "
+                                      "ranks, comma-separated, or `all`: every rank must then warn once and train "
+                                      "uncompiled.")
 
 
 @dataclass
@@ -253,6 +285,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
@@ -299,7 +332,7 @@ def _check_typed(name: str, f: dataclasses.Field, value: Any, origin: str) -> No
     """A TOML value carries its type, which must be the key's: `steps = "5"` is refused rather
     than converted, as TOML can say 5. Command-line flags are text and convert."""
     kind = f.metadata.get("kind") or type(f.default)
-    if kind is int and f.default == "auto" and value == "auto":
+    if kind in (int, bool) and f.default == "auto" and value == "auto":
         return
     accepted = {bool: (bool,), int: (int,), float: (int, float), str: (str,)}[kind]
     if isinstance(value, accepted) and not (isinstance(value, bool) and kind is not bool):
@@ -321,15 +354,15 @@ def _coerce(name: str, f: dataclasses.Field, value: Any, origin: str) -> Any:
     meta = f.metadata
     kind = meta.get("kind") or type(f.default)
     where = f"{origin}: {name}={value!r}"
-    if isinstance(f.default, str) and f.default == "auto" and kind is int:  # int or "auto"
-        if value == "auto":
-            return value
+    if f.default == "auto" and kind in (int, bool) and value == "auto":  # int or "auto", bool or "auto"
+        return value
     if kind is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
-        raise DuokaError(f"{where} is not a boolean", "use true or false")
+        raise DuokaError(f"{where} is not a boolean", "use true, false or auto" if f.default == "auto"
+                         else "use true or false")
     if kind is int:
         if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
             raise DuokaError(f"{where} is not an integer", "write a whole number" +
@@ -366,6 +399,8 @@ def _set(cfg: Config, section: str, key: str, value: Any, origin: str, typed: bo
     known = _section_fields(cfg, section)
     if key not in known:
         raise _unknown(name, cfg, origin)
+    if typed and known[key].metadata.get("names") and isinstance(value, list) and all(isinstance(v, str) for v in value):
+        value = ",".join(value)  # ["q_proj", "v_proj"] as PEFT users write it
     if typed:
         _check_typed(name, known[key], value, origin)
     setattr(getattr(cfg, section), key, _coerce(name, known[key], value, origin))
@@ -443,6 +478,8 @@ def reference_markdown() -> str:
         for f in fields(getattr(cfg, section)):
             m = f.metadata
             allowed = ", ".join(map(str, m["choices"])) if m.get("choices") else ""
+            if m.get("kind") is bool and f.default == "auto":
+                allowed = "auto, true, false"
             if m.get("min") is not None:
                 allowed = f">= {m['min']}" if m.get("max") is None else f"{m['min']} to {m['max']}"
                 if f.default == "auto":

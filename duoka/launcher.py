@@ -7,9 +7,9 @@ the batch arithmetic, the data. Workers that still fail write their error to the
 directory, and the launcher turns it into one message.
 
 Multi-node: run the same command on every node with --nnodes, --node-rank and the same
---rdzv-endpoint HOST:PORT (node 0's address); under Slurm, one task per node:
-    srun --nodes=2 --ntasks-per-node=1 duoka train cfg.toml --nnodes 2 \
-        --node-rank $SLURM_NODEID --rdzv-endpoint $(scontrol show hostnames | head -1):29500
+--rdzv-endpoint HOST:PORT (node 0's address). Under Slurm (`srun duoka train cfg.toml`, one
+task per node) and in a Kubernetes Indexed Job or Kubeflow PyTorchJob, the flags left out come
+from the scheduler's environment (parallel/cluster.py); flags given win.
 
 How a job ends (docs/training.md, "Stopping, preemption and restarts"): the workers live
 exactly as long as the launcher; SIGTERM or SIGINT, to the launcher or to the whole process
@@ -25,6 +25,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shlex
 import signal
 import socket
 import time
@@ -33,8 +34,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 from duoka import runtime
+from duoka.cache import compile_cache_env
 from duoka.config import Config, load_config, to_toml
 from duoka.errors import DuokaError
+from duoka.parallel.cluster import duoka_command, resolve_launch, slurm_script
 from duoka.parallel.ports import free_port, parse_endpoint, port_is_free
 from duoka.train.spec import RESTARTS_LOG, STOPPED_MARKER, TOKENIZER_FILES, RunSpec
 
@@ -66,14 +69,18 @@ def resolve_model(cfg: Config):
     return args, None, None
 
 
-def run_directory(cfg: Config) -> Path:
+def run_directory(cfg: Config, job_tag: str | None = None) -> Path:
+    """job.output_dir; else runs/<model>-<job_tag> in a scheduler's job (a requeued job keeps its
+    id, so it finds its own run again); else runs/<model>-<time>."""
     if cfg.job.output_dir:
         return Path(cfg.job.output_dir)
+    model = Path(cfg.model.path).name if cfg.model.path else cfg.model.flavor
+    if job_tag:
+        return Path("runs") / f"{model}-{job_tag}"
     if cfg.checkpoint.resume == "auto":
         raise DuokaError("checkpoint.resume=auto needs job.output_dir (the run to continue)",
                          "add --job.output_dir=runs/<the run>")
-    name = (Path(cfg.model.path).name if cfg.model.path else cfg.model.flavor) + time.strftime("-%Y%m%d-%H%M%S")
-    return Path("runs") / name
+    return Path("runs") / (model + time.strftime("-%Y%m%d-%H%M%S"))
 
 
 def check_run_directory(run_dir: Path, cfg: Config) -> None:
@@ -87,13 +94,15 @@ def launch_training(
     config_path: str | None,
     overrides: list[str],
     nproc_per_node: int | None = None,
-    nnodes: int = 1,
-    node_rank: int = 0,
+    nnodes: int | None = None,
+    node_rank: int | None = None,
     rdzv_endpoint: str | None = None,
     gpus: str | None = None,
     log=print,
     max_restarts: int = 0,
 ) -> Path:
+    """Launch flags left as None are taken from the scheduler's environment where it has them
+    (cluster.resolve_launch), else their single-node defaults."""
     from duoka.parallel.devices import device_env, read_gpus, select_gpus
 
     cfg = load_config(config_path, overrides)
@@ -103,6 +112,11 @@ def launch_training(
     if max_restarts < 0:
         raise DuokaError(f"--max-restarts {max_restarts} is negative",
                          "give the number of times the workers may be restarted after a failure (0: none)")
+    launch = resolve_launch(os.environ, nnodes, node_rank, rdzv_endpoint, nproc_per_node, gpus)
+    nnodes, node_rank, rdzv_endpoint = launch.nnodes, launch.node_rank, launch.rdzv_endpoint
+    nproc_per_node, gpus = launch.nproc_per_node, launch.gpus
+    if launch.detected:
+        log(launch.detected)
     if nnodes < 1 or not 0 <= node_rank < nnodes:
         raise DuokaError(f"--node-rank {node_rank} with --nnodes {nnodes}", "node ranks run from 0 to nnodes - 1")
     if nnodes > 1 and not rdzv_endpoint:
@@ -132,6 +146,9 @@ def launch_training(
         # CPU workers share the cores; without this each starts one thread per core and
         # they oversubscribe the machine (torchrun sets 1; a fair share is faster).
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc_per_node))
+    if cfg.training.compile is True or (cfg.training.compile == "auto" and gpu_list):  # as compile_wanted decides
+        # torch.compile's artefacts kept between launches (the workers compile only what is new).
+        env.update(compile_cache_env(cfg.training.compile_cache))
     os.environ.update(env)  # the worker environment is complete: the worker server may start
     if world > 1:
         _start_worker_server()
@@ -150,7 +167,9 @@ def launch_training(
     from duoka.parallel.dims import ParallelDims
     from duoka.parallel.parallelize import check_float8
     from duoka.plan.memory import auto_blocks_per_unit
+    from duoka.train import adapters
     from duoka.train.checkpoint import find_resume_checkpoint, read_train_state
+    from duoka.train.compiling import failing_ranks
     from duoka.train.optim import pipeline_microbatches, plan_batch
 
     # Everything a worker would otherwise discover late, resolved once.
@@ -159,6 +178,12 @@ def launch_training(
     dims.check_model(args.n_heads, args.n_kv_heads, args.n_layers, cfg.parallel.pp_stages_per_rank)
     check_balance_config(cfg.parallel, cfg.debug, dims.model_parallel, dims.tp, dims.pp, dims.dp_size, world)
     check_float8(cfg.training.float8, dims.tp)
+    lora = adapters.lora_args(cfg)
+    adapters.check_layout(cfg, dims.pp)
+    if lora is not None and model_dir is None:
+        log("duoka: warning: LoRA on a randomly initialised base (model.path is empty): right for measurements, "
+            "but the adapter means nothing outside this run; set model.path to fine-tune a real model")
+    failing_ranks(cfg.debug.fail_compile_ranks, world)
     stage_layers = None
     if dims.pp > 1 and cfg.parallel.pp_layers != "measured":
         stage_layers = tuple(layer_counts(args, dims.pp * cfg.parallel.pp_stages_per_rank, cfg.parallel.pp_layers,
@@ -225,7 +250,7 @@ def launch_training(
                 f"({time.perf_counter() - t:.1f} s)")
         tokenizer_files = _tokenizer_files(tokenizer_dir)
 
-    run_dir = run_directory(cfg)
+    run_dir = run_directory(cfg, launch.job_tag)
     run_dir.mkdir(parents=True, exist_ok=True)
     with contextlib.ExitStack() as held:
         if node_rank == 0:
@@ -234,7 +259,9 @@ def launch_training(
         cfg.job.output_dir = str(run_dir)
         resume_from = find_resume_checkpoint(run_dir, cfg.checkpoint.resume)
         resume_step = 0
+        base = adapters.base_identity(model_dir, args, cfg.training.seed) if lora is not None else None
         if resume_from is not None:
+            adapters.check_resume(resume_from, read_train_state(resume_from), lora, base)
             resume_step = read_train_state(resume_from)["step"]
             if resume_step > cfg.training.steps:
                 raise DuokaError(f"{resume_from} is at step {resume_step}, past training.steps={cfg.training.steps}",
@@ -251,7 +278,8 @@ def launch_training(
                        model_dir=str(model_dir) if model_dir else None, token_file=token_file,
                        tokenizer_files=tuple(tokenizer_files), end_of_text=end_of_text,
                        resume_from=str(resume_from) if resume_from else None, resume_step=resume_step,
-                       micro_batch=micro_batch, fsdp_blocks_per_unit=blocks_per_unit, stage_layers=stage_layers)
+                       micro_batch=micro_batch, fsdp_blocks_per_unit=blocks_per_unit, stage_layers=stage_layers,
+                       base=base)
         log(f"duoka: {world} process(es) ({nnodes} node(s) x {nproc_per_node}), run directory {run_dir}")
         stop_signal = _run_workers(spec, nproc_per_node, nnodes, node_rank, rdzv_endpoint, max_restarts, log)
         stopped = run_dir / STOPPED_MARKER
@@ -541,6 +569,64 @@ def _quiet_agent_logs() -> None:
     for name in list(logging.root.manager.loggerDict):
         if name.startswith(("torch.distributed.elastic", "torch.multiprocessing")):
             logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+# ---------------------------------------------------------------- duoka train --slurm-script
+
+
+def write_slurm_script(out: str, config_path: str | None, overrides: list[str], nnodes: int | None,
+                       nproc_per_node: int | None, node_rank: int | None, rdzv_endpoint: str | None,
+                       gpus: str | None, max_restarts: int, sbatch_options: list[str], log=print) -> Path:
+    """`duoka train ... --slurm-script FILE`: check the config and the layout against the job's
+    size now (an error at submission, not after hours in the queue) and write the batch script
+    (parallel/cluster.slurm_script) that runs the same command on every node."""
+    from duoka.parallel.devices import read_gpus
+    from duoka.parallel.dims import ParallelDims
+
+    if node_rank is not None or rdzv_endpoint is not None or gpus is not None:
+        flag = "--node-rank" if node_rank is not None else "--rdzv-endpoint" if rdzv_endpoint else "--gpus"
+        raise DuokaError(f"{flag} with --slurm-script: inside the job Slurm says which node is which, where node 0 "
+                         f"is and which GPUs each node has", f"leave {flag} out (--nproc-per-node N asks for N GPUs "
+                         "per node)")
+    for option in sbatch_options:
+        if not option.startswith("-"):
+            raise DuokaError(f"--sbatch={option}: not an sbatch option", "write e.g. --sbatch=--time=24:00:00")
+    nnodes = 1 if nnodes is None else nnodes
+    if nnodes < 1:
+        raise DuokaError(f"--nnodes {nnodes}: a job needs at least one node", "give --nnodes 1 or more")
+    if max_restarts < 0:
+        raise DuokaError(f"--max-restarts {max_restarts} is negative",
+                         "give the number of times the workers may be restarted after a failure (0: none)")
+    cfg = load_config(config_path, overrides)
+    if cfg.checkpoint.resume not in ("", "auto"):
+        raise DuokaError(f"checkpoint.resume={cfg.checkpoint.resume} with --slurm-script: every requeue would "
+                         "start again from that checkpoint", "leave checkpoint.resume out (the job continues its "
+                         "own run: resume=auto); to start from other weights, set model.path")
+    if nproc_per_node is not None and nproc_per_node < 1:
+        raise DuokaError(f"--nproc-per-node {nproc_per_node}: a node needs at least one GPU",
+                         "give the GPUs per node, e.g. --nproc-per-node 8")
+    gpus_per_node = nproc_per_node if nproc_per_node is not None else len(read_gpus())
+    ParallelDims.from_config(cfg.parallel, nnodes * max(gpus_per_node, 1))  # the layout fits the job
+    command = [*duoka_command(), "train"]
+    if config_path:
+        command.append(str(Path(config_path).resolve()))
+    command += [*overrides, "--checkpoint.resume=auto"]
+    if max_restarts:
+        command.append(f"--max-restarts={max_restarts}")
+    name = "duoka-" + (Path(config_path).stem if config_path else cfg.model.flavor)
+    written_by = shlex.join(["duoka", "train", *([config_path] if config_path else []), *overrides,
+                             f"--nnodes={nnodes}", *([f"--nproc-per-node={nproc_per_node}"] if nproc_per_node else []),
+                             *([f"--max-restarts={max_restarts}"] if max_restarts else []),
+                             *[f"--sbatch={o}" for o in sbatch_options], f"--slurm-script={out}"])
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(slurm_script(command, nnodes, gpus_per_node, name, Path.cwd(), sbatch_options, written_by))
+    path.chmod(0o755)
+    per_node = (f"{gpus_per_node} GPU(s)" if gpus_per_node else
+                "1 CPU process (no GPU on this machine: give --nproc-per-node N for N GPUs per node)")
+    log(f"duoka: wrote {path}: {nnodes} node(s) x {per_node}, requeued after preemption and ahead of the time "
+        f"limit; submit it with: sbatch {path}")
+    return path
 
 
 # ---------------------------------------------------------------- duoka serve

@@ -58,6 +58,19 @@ def duoka() -> Cli:
     return Cli()
 
 
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory) -> Path:
+    """One torch.compile cache folder for the session's compiled runs: their compile checks
+    compile the same block once, and nothing lands in the user's cache directory."""
+    return tmp_path_factory.mktemp("torch-compile")
+
+
+@pytest.fixture(scope="session")
+def compile_flags(compile_cache) -> tuple[str, ...]:
+    """`duoka train` flags: training.compile on (auto is off on CPU), into compile_cache."""
+    return ("--training.compile=true", f"--training.compile_cache={compile_cache}")
+
+
 @pytest.fixture
 def in_process(capsys):
     """in_process(*args): duoka.cli.main(args) in this process, as a CompletedProcess. For

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -29,6 +29,7 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel
 
 from duoka.errors import DuokaError
+from duoka.models.lora import LoRALinear
 from duoka.models.qwen2.model import Qwen2
 from duoka.parallel.dims import ParallelDims
 
@@ -53,13 +54,72 @@ class ModuleHooks(Protocol):
     def after_shard(self, modules: list[nn.Module]) -> None: ...
 
 
+class _LoRAStyle:
+    """A LoRA layer (duoka.models.lora.LoRALinear) split like its base layer. torch's
+    Colwise/RowwiseParallel place a module's parameters in `_partition_linear_fn`, called
+    for the layer and each of its sub-modules and written for a plain nn.Linear; no public
+    hook takes a linear layer with sub-layers. This mixin is the one override of it, and
+    `_check_partition_hook` checks at import that torch still calls it so.
+
+    `placements`: the sub-module ("" the layer itself, "lora_a", "lora_b") -> the placement
+    of its parameters; a parameter keeps its requires_grad (the base stays frozen)."""
+
+    placements: dict[str, dict[str, Placement]]
+
+    def _partition_linear_fn(self, name, module, device_mesh):
+        for pname, param in list(module.named_parameters(recurse=False)):
+            sharded = distribute_tensor(param, device_mesh, [self.placements[name][pname]],
+                                        src_data_rank=self.src_data_rank)
+            module.register_parameter(pname, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+
+class LoRAColwiseParallel(_LoRAStyle, ColwiseParallel):
+    """Column-parallel base (W, b split by output rows): B split the same way (its rows are
+    the layer's output columns), A whole on every rank. The adapter's output is then
+    sharded as the base's is, and A's gradient, a partial sum per rank, is all-reduced by DTensor."""
+
+    placements = {"": {"weight": Shard(0), "bias": Shard(0)}, "lora_a": {"weight": Replicate()},
+                  "lora_b": {"weight": Shard(0)}}
+
+
+class LoRARowwiseParallel(_LoRAStyle, RowwiseParallel):
+    """Row-parallel base (W split by input columns, its output a partial sum): A split by
+    input columns as W is, B whole; the adapter's output is a partial sum too, reduced with
+    the base's in one reduce-scatter."""
+
+    placements = {"": {"weight": Shard(1), "bias": Replicate()}, "lora_a": {"weight": Shard(1)},
+                  "lora_b": {"weight": Replicate()}}
+
+
+def _check_partition_hook() -> None:
+    for style in (ColwiseParallel, RowwiseParallel):
+        if not callable(getattr(style, "_partition_linear_fn", None)):
+            raise ImportError(f"this PyTorch's {style.__name__} has no _partition_linear_fn, which LoRA under "
+                              "tensor parallelism overrides (duoka.parallel.parallelize._LoRAStyle)")
+
+
+_check_partition_hook()
+
+
+def _colwise(layer: nn.Module) -> ColwiseParallel:
+    return LoRAColwiseParallel() if isinstance(layer, LoRALinear) else ColwiseParallel()
+
+
+def _rowwise(layer: nn.Module, **kwargs) -> RowwiseParallel:
+    return LoRARowwiseParallel(**kwargs) if isinstance(layer, LoRALinear) else RowwiseParallel(**kwargs)
+
+
 def apply_tensor_parallel(model: Qwen2, tp_mesh: DeviceMesh) -> None:
     """Megatron-style tensor parallelism with sequence parallelism (Korthikanti et al.
     2022, arXiv:2205.05198) on DTensor: q/k/v and gate/up projections split by output
     columns (whole heads per rank, QKV biases with them), o and down projections by input
     rows; between them the residual stream stays sharded on the sequence, and the norms run
     on their sequence shard. The output head is split by vocabulary and its logits stay
-    sharded: the loss runs under `loss_parallel` and never gathers them."""
+    sharded: the loss runs under `loss_parallel` and never gathers them. LoRA adapters are
+    split like their layers (LoRAColwiseParallel, LoRARowwiseParallel)."""
+    # The styles re-create each parameter as a DTensor; SequenceParallel's forgets whether
+    # it trains (a LoRA model's frozen norms would train): the model's choice is put back.
+    trains = {name: p.requires_grad for name, p in model.named_parameters()}
     plan = {}
     if model.tok_embeddings is not None and model.takes_tokens:
         plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
@@ -71,24 +131,27 @@ def apply_tensor_parallel(model: Qwen2, tp_mesh: DeviceMesh) -> None:
         plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)
     parallelize_module(model, tp_mesh, plan)
     for block in model.layers.values():
+        attention, mlp = block.attention, block.feed_forward
         parallelize_module(block, tp_mesh, {
             "attention_norm": SequenceParallel(),
             # x is the attention's only positional input; rope and mask are
             # keyword arguments, which PrepareModuleInput passes through untouched.
             "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "attention.wq": _colwise(attention.wq),
+            "attention.wk": _colwise(attention.wk),
+            "attention.wv": _colwise(attention.wv),
+            "attention.wo": _rowwise(attention.wo, output_layouts=Shard(1)),
             "ffn_norm": SequenceParallel(),
             "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w1": _colwise(mlp.w1),
+            "feed_forward.w3": _colwise(mlp.w3),
+            "feed_forward.w2": _rowwise(mlp.w2, output_layouts=Shard(1)),
         })
     # Both the embedding (rowwise) and the head (colwise) shard the [vocab, dim] weight on
     # the vocabulary: the tied weight keeps one layout, so re-tying after the plan is safe.
     model.tie_weights()
+    for name, param in model.named_parameters():
+        param.requires_grad_(trains[name])
 
 
 def check_float8(recipe: str, tp: int, device: torch.device | None = None) -> None:

@@ -267,10 +267,32 @@ class _Reader(dcp.FileSystemReader):
         return self.metadata
 
 
+def plain_name(name: str) -> str:
+    """A parameter's name in the plain model, without the wrappers' prefixes."""
+    for wrapper in ("_orig_mod.", "_checkpoint_wrapped_module.", "module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def trained_names(model) -> set[str] | None:
+    """The plain names of the parameters that train, when some do not (a LoRA model: its
+    frozen base is read from the base model, never saved); None when all train."""
+    named = list(model.named_parameters(remove_duplicate=False))
+    if all(p.requires_grad for _, p in named):
+        return None
+    return {plain_name(name) for name, p in named if p.requires_grad}
+
+
+def _model_state(model, state: dict) -> dict:
+    """What a checkpoint holds of the model: every parameter, or only those that train."""
+    trained = trained_names(model)
+    return state if trained is None else {k: v for k, v in state.items() if k in trained}
+
+
 def _app_state(model, optimizer) -> dict:
     # Full FQNs of the plain model; DTensor shards stay sharded (no gather on save).
     opts = StateDictOptions(full_state_dict=False)
-    return {"model": get_model_state_dict(model, options=opts),
+    return {"model": _model_state(model, get_model_state_dict(model, options=opts)),
             "optimizer": get_optimizer_state_dict(model, optimizer, options=opts)}
 
 
@@ -379,7 +401,9 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
     """Load model and optimizer state into the (possibly differently) parallelized model."""
     state = _app_state(model, optimizer)
     _load(state, path)
-    set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=False))
+    # Not strict when the frozen base is left out: it was filled from the base model.
+    strict = trained_names(model) is None
+    set_model_state_dict(model, state["model"], options=StateDictOptions(full_state_dict=False, strict=strict))
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(full_state_dict=False))
     train_state = read_state(path)
     torch.set_rng_state(torch.tensor(train_state["rng_cpu"], dtype=torch.uint8))
@@ -388,8 +412,9 @@ def load_checkpoint(path: Path, model, optimizer) -> dict:
 
 def load_model_weights(path: Path, model, no_dist: bool = False) -> None:
     """Only the model part (for export) into a plain single-process model; no_dist when a
-    process group exists but this process reads alone."""
-    _load({"model": model.state_dict()}, path, no_dist)
+    process group exists but this process reads alone. A LoRA model reads its adapters (and
+    modules trained whole) only: its base is not in the checkpoint."""
+    _load({"model": _model_state(model, model.state_dict())}, path, no_dist)
 
 
 def _load(state: dict, path: Path, no_dist: bool = False) -> None:

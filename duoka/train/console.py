@@ -6,6 +6,7 @@ import shlex
 from pathlib import Path
 
 from rich.console import Console as RichConsole
+from rich.markup import escape
 
 # The command the end of a run suggests. Sampled, not greedy: a model trained for a minute
 # (the default run) repeats blank lines and "the" when greedy, but samples docstring-like words;
@@ -16,8 +17,10 @@ TRY_SAMPLING = ("--temperature", "0.8", "--seed", "1", "--ignore-eos")
 
 
 def try_command(final: Path) -> str:
-    """The `duoka generate` command for a run's final Hugging Face folder."""
-    return shlex.join(["duoka", "generate", "--model", str(final), "--prompt", TRY_PROMPT, *TRY_SAMPLING])
+    """The `duoka generate` command for a run's final Hugging Face folder (a LoRA run's
+    adapter folder goes on its base, which the folder names)."""
+    flag = "--adapter" if (final / "adapter_config.json").is_file() else "--model"
+    return shlex.join(["duoka", "generate", flag, str(final), "--prompt", TRY_PROMPT, *TRY_SAMPLING])
 
 
 class Console:
@@ -26,6 +29,10 @@ class Console:
 
     def print(self, text: str) -> None:
         self.out.print(text)
+
+    def warning(self, text: str) -> None:
+        """One line; `text` is shown as it is (an error message may hold rich's brackets)."""
+        self.out.print(f"[bold yellow]warning[/]: {escape(text)}")
 
     def progress(self, r: dict, steps: int, elapsed: float, start_step: int = 0) -> None:
         eta = elapsed / max(1, r["step"] - start_step) * (steps - r["step"])
@@ -44,6 +51,9 @@ class Silent:
     """The console of every rank but 0: says nothing."""
 
     def print(self, text: str) -> None:
+        pass
+
+    def warning(self, text: str) -> None:
         pass
 
     def progress(self, r: dict, steps: int, elapsed: float, start_step: int = 0) -> None:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from duoka.errors import DuokaError
+from duoka.models.lora import LoRAArgs, cast_frozen_
 from duoka.models.qwen2.args import ModelArgs, ModelOptions
 from duoka.models.qwen2.hf_adapter import load_hf_weights
 from duoka.models.qwen2.model import build_model
@@ -68,9 +69,11 @@ def attention_kernel(choice: str, device: torch.device) -> str | None:
     return choice
 
 
-def model_options(cfg, dims: ParallelDims, device: torch.device) -> ModelOptions:
+def model_options(cfg, dims: ParallelDims, device: torch.device, compile: bool) -> ModelOptions:
+    """The model's kernels for this device; `compile`: training.compile as resolved and
+    checked (duoka.train.compiling)."""
     compile_mode = "none"
-    if cfg.training.compile:
+    if compile:
         # Tensor parallelism's input/output hooks must stay outside the compiled region:
         # a whole compiled block gave wrong gradients; its attention and MLP bodies are exact.
         compile_mode = "parts" if dims.tp > 1 else "block"
@@ -78,7 +81,7 @@ def model_options(cfg, dims: ParallelDims, device: torch.device) -> ModelOptions
                         sdpa_backend=attention_kernel(cfg.training.attention_kernel, device),
                         fuse_qkv=cfg.training.fuse_qkv, compile=compile_mode,
                         # The fused loss's softmax too (not under tp: its logits are DTensors).
-                        compile_loss=cfg.training.compile and dims.tp == 1)
+                        compile_loss=compile and dims.tp == 1)
 
 
 def auto_micro_batch(cfg, dims: ParallelDims, args: ModelArgs, device: torch.device) -> int:
@@ -105,25 +108,33 @@ def auto_micro_batch(cfg, dims: ParallelDims, args: ModelArgs, device: torch.dev
 
 class Filler:
     """Fills an allocated model (or stage): Hugging Face weights, the seeded init, or
-    nothing on resume (every value comes from the checkpoint; DCP is strict about missing keys)."""
+    nothing on resume (every value comes from the checkpoint; DCP is strict about missing keys).
+    A LoRA model's frozen base is not in its checkpoints: it is filled on resume too, and
+    its adapters start from their own init when the base comes from a folder."""
 
     def __init__(self, model_dir: str | None, seed: int, resuming: bool, partial: bool):
         self.model_dir, self.seed, self.resuming, self.partial = model_dir, seed, resuming, partial
 
     def __call__(self, model) -> None:
-        if self.resuming:
+        lora = getattr(model, "lora", None) is not None
+        if self.resuming and not lora:
             return
         if self.model_dir:
             load_hf_weights(model, Path(self.model_dir), allow_unused=self.partial)
+            if lora and not self.resuming:
+                model.init_weights(seed=self.seed, adapters_only=True)
         else:
             model.init_weights(seed=self.seed)
 
 
 def build_training_model(args: ModelArgs, options: ModelOptions, par: ParallelOptions, dims: ParallelDims, mesh,
-                         device: torch.device, fill: Filler, hooks: ModuleHooks | None):
+                         device: torch.device, fill: Filler, hooks: ModuleHooks | None, lora: LoRAArgs | None = None):
     """The whole model, parallelized. FSDP2 shards on the meta device, so each rank
-    allocates only its shards; DDP needs real storage before it wraps the model."""
-    model = build_model(args, options)
+    allocates only its shards; DDP needs real storage before it wraps the model. With
+    LoRA the frozen base is held in the compute dtype from the start (no fp32 copy)."""
+    model = build_model(args, options, lora=lora)
+    if lora is not None:
+        cast_frozen_(model, par.compute_dtype)
     if dims.fsdp:
         model = parallelize_qwen2(model, dims, mesh, par, hooks)
         model.to_empty(device=device)

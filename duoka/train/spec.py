@@ -33,6 +33,7 @@ class RunSpec:
     micro_batch: int | None  # None: `auto`, sized by each worker from its free GPU memory
     fsdp_blocks_per_unit: int | None  # None: sized by the worker with an auto micro-batch
     stage_layers: tuple[int, ...] | None  # decoder layers per pipeline stage; None: measured, or no pipeline
+    base: dict | None = None  # LoRA runs: the frozen base's identity (duoka.train.adapters.base_identity)
 
     @cached_property
     def cfg(self) -> Config:

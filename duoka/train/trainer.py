@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import time
 from pathlib import Path
@@ -26,8 +27,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor.parallel import loss_parallel
 
+from duoka.cache import INDUCTOR_CACHE_ENV
 from duoka.data.dataset import PackedWindows, Prefetcher, RandomTokens, share_batches, step_inputs
 from duoka.data.sft import SFTWindows
+from duoka.models.lora import trainable_numel
 from duoka.models.loss import IGNORE_INDEX, compiled_cross_entropy_sum, cross_entropy_sum
 from duoka.models.qwen2.args import ModelArgs
 from duoka.monitor.metrics import peak_flops
@@ -37,8 +40,10 @@ from duoka.parallel.dtensor import full_value
 from duoka.parallel.parallelize import ParallelOptions, check_float8, float8_gathers, precompute_float8_scales
 from duoka.plan.memory import auto_blocks_per_unit
 from duoka.timing import Mark, PhaseTimer
+from duoka.train.adapters import lora_args
 from duoka.train.balancing import LoadBalancing
 from duoka.train.checkpointing import Checkpointer
+from duoka.train.compiling import agree_to_compile, check_compile, compile_wanted, failing_ranks
 from duoka.train.console import console_for
 from duoka.train.export import export_trained
 from duoka.train.health import Health
@@ -74,11 +79,10 @@ class Trainer:
         self.counts_for_metrics = coords["tp"] == 0 and coords["pp"] == dims.pp - 1
         self.compute_dtype = getattr(torch, compute_dtype_name(cfg.training.dtype, device.type))
         check_float8(cfg.training.float8, dims.tp, device)
+        self.lora = lora_args(cfg)  # LoRA adapters on a frozen base, or None (duoka.train.adapters)
         # The chunked head + cross-entropy needs the whole head on the rank: not under tp
         # (the vocabulary-parallel loss never gathers the logits) nor pp (the schedule owns the loss).
         self.fused_loss = cfg.training.fused_loss and not dims.model_parallel
-        # Compiling the plain loss fuses away the fp32 logits (not under tp: loss_parallel's DTensors).
-        self.compile_loss = cfg.training.compile and dims.tp == 1
 
         # The micro-batch is settled before the model is built: FSDP2's unit size follows it.
         micro_batch = spec.micro_batch or auto_micro_batch(cfg, dims, self.args, device)
@@ -89,7 +93,12 @@ class Trainer:
         self.batch = plan_batch(cfg.training.global_batch_size, self.dp_size, micro_batch)
         self.balance = LoadBalancing(cfg, dims, self.rank, self.world, device, cfg.training.global_batch_size,
                                      micro_batch, lag=PREFETCH_DEPTH + 2, console=self.console)
-        self.options = model_options(cfg, dims, device)
+        self.options = model_options(cfg, dims, device, compile=self._compile_works())
+        self.compiled = self.options.compile != "none"
+        # Where the compiled artefacts go (the launcher set it: duoka.cache), for the console.
+        self.compile_cache = os.environ.get(INDUCTOR_CACHE_ENV) if self.compiled else None
+        # Compiling the plain loss fuses away the fp32 logits (not under tp: loss_parallel's DTensors).
+        self.compile_loss = self.compiled and dims.tp == 1
         par = ParallelOptions(compute_dtype=self.compute_dtype,
                               activation_checkpointing=cfg.training.activation_checkpointing == "full",
                               float8=cfg.training.float8, fsdp_blocks_per_unit=units,
@@ -106,7 +115,7 @@ class Trainer:
             self.model = self.pipeline.model
         else:
             self.model = build_training_model(self.args, self.options, par, dims, self.mesh, device, fill,
-                                              self.balance.timer)
+                                              self.balance.timer, self.lora)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # Gradients in the norm: a later pipeline stage's copy of the tied embedding is left out.
         tied_copy = self.pipeline is not None and self.pipeline.holds_tied_copy
@@ -133,10 +142,27 @@ class Trainer:
         peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                           cfg.metrics.peak_tflops)
         self.metrics = StepMetrics(cfg, self.run_dir, self.rank, self.world, device, self.args.num_params(),
-                                   self.args.flops_per_token(cfg.training.seq_len), peak, self.start_step,
-                                   cfg.training.steps, self.console)
+                                   self.args.flops_per_token(cfg.training.seq_len, self.lora), peak,
+                                   self.start_step, cfg.training.steps, self.console)
         self.watchdog = Watchdog.start(cfg.reliability, self.run_dir, self.rank, self.world, device.type,
                                        self.start_step, self.console)
+
+    def _compile_works(self) -> bool:
+        """training.compile for this device, checked on every rank before the model exists
+        (duoka.train.compiling): False on all ranks where it failed on any."""
+        cfg, dims, device = self.cfg, self.dims, self.device
+        if not compile_wanted(cfg.training.compile, device):
+            return False
+        # The check runs the block as the step will: FSDP2 casts the parameters to the
+        # compute dtype, DDP keeps them fp32 under autocast.
+        param_dtype = self.compute_dtype if dims.fsdp else torch.float32
+        autocast = None if self.compute_dtype == torch.float32 or dims.fsdp else self.compute_dtype
+        options = model_options(cfg, dims, device, compile=False)
+        documents = cfg.data.document_masking and self.spec.token_file is not None
+        inject = self.rank in failing_ranks(cfg.debug.fail_compile_ranks, self.world)
+        return agree_to_compile(lambda: check_compile(self.args, options, param_dtype, autocast, device, documents,
+                                                      inject_failure=inject),
+                                self.rank, self.world, self.run_dir, self.console)
 
     def _open_data(self):
         spec, cfg = self.spec, self.cfg
@@ -333,9 +359,15 @@ class Trainer:
                 torch.cuda.reset_peak_memory_stats(self.device)  # peak_mem_gib is this step's peak
             profiler.before(step)
             check = "error" if cfg.debug.check_host_syncs and step >= self.start_step + 2 else "default"
+            compiling = self.compiled and step == self.start_step
+            if compiling:
+                where = f" (artefacts cached in {self.compile_cache} for the next launch)" if self.compile_cache else ""
+                self.console.print(f"step {step + 1}: compiling{where} ...")
             with sync_debug(check):
                 # The trace must hold every kernel of the profiled steps.
                 this = self._step(step, prefetch, last_end, wait=not deferred or profiler.last(step))
+            if compiling:  # the compiler runs on the host, inside the step's launch
+                self.console.print(f"step {step + 1} compiled in {this.launch_s:.1f} s")
             last_end = this.end
             if profiler.last(step):
                 profiler.write()
@@ -365,7 +397,7 @@ class Trainer:
         if cfg.checkpoint.export_final:
             self.watchdog.enter("export of the final model")
             final = export_trained(self.model, self.args, self.run_dir, steps, self.spec.tokenizer_files,
-                                   pipeline=self.pipeline is not None)
+                                   pipeline=self.pipeline is not None, lora=self.lora, base=self.spec.base)
         self.console.done(self.run_dir, final, time.perf_counter() - started)
 
     def _save(self, step: int) -> None:
@@ -374,6 +406,8 @@ class Trainer:
         state = {"tokens": self.tokens_seen, "model_args": self.spec.model_args, "config": self.spec.config,
                  "dp_size": self.dp_size, "world_size": self.world, "balance": self.balance.state_dict(),
                  "healthy": self.health.healthy, "health": self.health.state_dict()}
+        if self.spec.base is not None:
+            state["base"] = self.spec.base  # a LoRA checkpoint names its frozen base (duoka.train.adapters)
         self.checkpointer.save(step, self.model, self.optimizer, state)
 
     def _stop_early(self, step: int) -> None:
@@ -389,9 +423,13 @@ class Trainer:
 
     def _banner(self) -> str:
         b, cfg = self.batch, self.cfg
-        return (f"[bold]duoka train[/] {self.args.num_params() / 1e6:.1f}M parameters | {self.dims.describe()} on "
+        return (f"[bold]duoka train[/] {self.args.num_params() / 1e6:.1f}M parameters"
+                + (f" (LoRA rank {self.lora.rank}: {trainable_numel(self.model) / 1e6:.2f}M trained)" if self.lora
+                   else "")
+                + f" | {self.dims.describe()} on "
                 f"{self.world} x {self.device.type} | {str(self.compute_dtype).removeprefix('torch.')}"
                 + (f" + float8 {cfg.training.float8} matmuls" if cfg.training.float8 != "none" else "")
+                + (" | compiled" if self.compiled else "")
                 + f" | global batch {b.global_batch} = micro-batch {b.micro_batch} x accumulation {b.accumulation} "
                 f"x dp {b.dp_size} | seq {cfg.training.seq_len} | peak lr {self.peak_lr:.3g}"
                 + (" | fused chunked loss" if self.fused_loss else

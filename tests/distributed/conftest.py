@@ -4,6 +4,7 @@ first), and the layout comparison itself."""
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 from pathlib import Path
@@ -108,16 +109,17 @@ def fsdp_accumulation_run(layout_runs) -> Path:
                        "--checkpoint.interval=3")
 
 
-def _assert_same_run(run: Path, ref: Path):
+def _assert_same_run(run: Path, ref: Path, loss: float = 1e-5, grad_norm: float = 1e-4, weights: float = 1e-5):
+    """The keyword arguments: the relative differences allowed."""
     a, b = read_records(run), read_records(ref)
     assert len(a) == len(b) == STEPS
     for x, y in zip(a, b):
-        assert abs(x["loss"] - y["loss"]) <= 1e-5 * abs(y["loss"]), (a, b)
+        assert abs(x["loss"] - y["loss"]) <= loss * abs(y["loss"]), (a, b)
         # Adam is blind to a constant factor on the gradient, so the weights alone would not
         # catch a normalisation error (say, a forgotten x dp_size); the gradient norm does.
         # 1e-4: the norm is a sum of 1.3M squares, reduced in another order per layout
         # (up to 1.6e-5 under FSDP2); a scale error would be 50% or more.
-        assert abs(x["grad_norm"] - y["grad_norm"]) <= 1e-4 * y["grad_norm"], (a, b)
+        assert abs(x["grad_norm"] - y["grad_norm"]) <= grad_norm * y["grad_norm"], (a, b)
     wa, wb = read_weights(run, STEPS), read_weights(ref, STEPS)
     assert wa.keys() == wb.keys()
     # The whole model's relative difference. No per-element or per-tensor bound: where a
@@ -126,7 +128,7 @@ def _assert_same_run(run: Path, ref: Path):
     # depend on the reduction order, so single elements legitimately differ by ~lr.
     diff = sum(((wa[k] - wb[k]) ** 2).sum() for k in wa).sqrt()
     norm = sum((wb[k] ** 2).sum() for k in wb).sqrt()
-    assert diff / norm <= 1e-5
+    assert diff / norm <= weights
 
 
 @pytest.fixture(scope="session")
@@ -134,3 +136,16 @@ def assert_same_run():
     """assert_same_run(run, ref): two runs of the layout configuration compute the same
     (per-step loss and gradient norm, final weights)."""
     return _assert_same_run
+
+
+# Compiled against eager, fp32 on CPU: Inductor's fused kernels sum in another order. Measured
+# (tp2, pp2): loss 1.5e-7, gradient norm 2.1e-5, weights 2.1e-6; about ten times the last two
+# is allowed (the loss keeps the layouts' bound), still far below a normalisation error (50%+).
+COMPILED_TOLERANCE = {"loss": 1e-5, "grad_norm": 2e-4, "weights": 2e-5}
+
+
+@pytest.fixture(scope="session")
+def assert_compiled_run():
+    """assert_compiled_run(run, ref): a compiled run of the layout configuration computes
+    what the eager one does, to COMPILED_TOLERANCE."""
+    return functools.partial(_assert_same_run, **COMPILED_TOLERANCE)

@@ -34,6 +34,23 @@ def test_layout_matches_one_process(layout_runs, reference, assert_same_run, tmp
     assert banner in proc.stderr, proc.stderr[-3000:]
 
 
+def test_a_compiler_failing_on_one_rank_leaves_every_rank_uncompiled(layout_runs, reference, assert_same_run,
+                                                                     compile_flags, tmp_path):
+    """Rank 1's compile check fails (its compiler raises), rank 0's passes: both train the
+    uncompiled model (they would otherwise wait in different collectives), after one
+    warning that names the cause, the failing rank and the switch."""
+    run = tmp_path / "run"
+    proc = layout_runs(run, "--nproc-per-node=2", *compile_flags, "--debug.fail_compile_ranks=1")
+    warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1, proc.stderr[-3000:]
+    assert ("torch.compile failed on rank 1 (RuntimeError: compiler failure injected by debug.fail_compile_ranks; "
+            f"whole error in {run / 'compile-error-rank1.txt'})") in warnings[0]
+    assert "--training.compile=false" in warnings[0]
+    assert "BackendCompilerFailed" in (run / "compile-error-rank1.txt").read_text()
+    assert "| compiled |" not in proc.stderr and "step 1: compiling" not in proc.stderr
+    assert_same_run(run, reference)  # the eager DDP run, exactly
+
+
 def test_gradient_accumulation_matches(layout_runs, reference, fsdp_accumulation_run, assert_same_run, tmp_path):
     # (DDP accumulation, also with unequal micro-batch counts per rank, is in test_balance.py.)
     # FSDP2 on 2 ranks, one sample per micro-batch (a session fixture: test_model_parallel.py

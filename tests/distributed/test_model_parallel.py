@@ -45,6 +45,17 @@ def test_model_parallel_layout_matches_one_process(layout_runs, reference, asser
     assert_same_run(tmp_path / "run", reference)
 
 
+# Compiled: under tp each block's attention and MLP bodies (the plan's hooks stay eager),
+# under pp each stage's whole blocks; against the eager single process.
+@pytest.mark.parametrize("layout", [TP2, ["--nproc-per-node=2", *PP, "--parallel.pp_schedule=1f1b"]],
+                         ids=["tp2", "pp2-1f1b"])
+def test_compiled_model_parallel_matches_one_process(layout_runs, reference, assert_compiled_run, compile_flags,
+                                                     tmp_path, layout):
+    proc = layout_runs(tmp_path / "run", *compile_flags, *layout)
+    assert "| compiled |" in proc.stderr and "step 1 compiled in" in proc.stderr, proc.stderr[-3000:]
+    assert_compiled_run(tmp_path / "run", reference)
+
+
 @pytest.fixture
 def resume_matches(layout_runs, reference, records, assert_same_run, tmp_path):
     """resume_matches(first, target_layout): continue from the step-3 checkpoint of run

@@ -1,6 +1,7 @@
 """`duoka train` end to end through the real CLI."""
 
 import json
+import re
 
 
 def assert_user_error(proc, *phrases):
@@ -11,30 +12,27 @@ def assert_user_error(proc, *phrases):
         assert phrase in proc.stderr, proc.stderr
 
 
-def test_default_run_shortened_trains_and_generates(duoka, tmp_path):
-    """The built-in default (debug Qwen2 on the bundled corpus), cut to 40 steps."""
-    run = tmp_path / "run"
-    proc = duoka("train", f"--job.output_dir={run}", "--training.steps=40")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(1, 41))
-    for key in ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "step_time_s", "data_time_s"):
-        assert key in records[-1]
-    assert records[-1]["mfu"] is None  # no made-up peak on CPU
-    first, last = records[0]["loss"], sum(r["loss"] for r in records[-5:]) / 5
-    assert first > 8.0 and last < first - 1.0  # ln(4096) = 8.3 at the start; clearly falling
-    assert records[-1]["tokens"] == 40 * 16 * 128
-    assert (run / "config.toml").is_file()
-    final = run / "hf" / "step-40"
-    assert (run / "checkpoints" / "step-40" / "train_state.json").is_file()  # the resumable one
-    assert f"duoka generate --model {final}" in proc.stderr
+def test_compiling_is_announced_and_cached_for_the_next_launch(duoka, compile_cache, compile_flags, tmp_path):
+    """training.compile on: the console says that step 1 compiles and then how long it took;
+    the artefacts go to the compile cache, where a second launch of the same configuration
+    finds every graph (it writes no new entry). (The folder's default under the user's cache
+    directory: tests/unit/test_compiling.py.)"""
+    args = (*compile_flags, "--data.path=random", "--training.steps=2", "--training.seq_len=64",
+            "--training.global_batch_size=8", "--checkpoint.enabled=false", "--checkpoint.export_final=false")
 
-    gen = duoka("generate", "--model", str(final), "--prompt", "Return the", "--max-new-tokens", "10")
-    assert gen.returncode == 0, gen.stderr
-    assert gen.stdout.strip()
+    def entries():  # Inductor's compiled graphs and AOTAutograd's forward/backward pairs
+        return sorted(p.relative_to(compile_cache) for kind in ("fxgraph", "aotautograd")
+                      for p in (compile_cache / kind).rglob("*") if p.is_file())
 
-    again = duoka("train", f"--job.output_dir={run}", "--training.steps=2")
-    assert_user_error(again, "already holds a run", "--checkpoint.resume=auto")
+    before = entries()
+    first = duoka.ok("train", f"--job.output_dir={tmp_path / 'first'}", *args)
+    assert f"step 1: compiling (artefacts cached in {compile_cache} for the next launch) ..." in first.stderr
+    assert re.search(r"\nstep 1 compiled in \d+\.\d s\n", first.stderr), first.stderr[-3000:]
+    made = entries()
+    assert {path.parts[0] for path in set(made) - set(before)} == {"fxgraph", "aotautograd"}  # step 1's graphs
+    second = duoka.ok("train", f"--job.output_dir={tmp_path / 'second'}", *args)
+    assert re.search(r"\nstep 1 compiled in \d+\.\d s\n", second.stderr), second.stderr[-3000:]
+    assert entries() == made
 
 
 def test_resolved_config_is_reusable(duoka, tmp_path):

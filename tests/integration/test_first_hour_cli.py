@@ -52,6 +52,27 @@ def test_the_suggested_command_prints_words(default_run, duoka, corpus_words):
     assert Counter(words).most_common(1)[0][1] <= 0.3 * len(words), gen.stdout
 
 
+def test_the_default_run_records_checkpoints_and_refuses_to_overwrite(default_run, duoka):
+    """The built-in default (debug Qwen2 on the bundled corpus, 200 steps): its metrics, the
+    resumable checkpoint, the export, and a second launch into the same directory refused."""
+    run, proc = default_run
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 201))
+    for key in ("step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s", "mfu", "step_time_s", "data_time_s"):
+        assert key in records[-1]
+    assert records[-1]["mfu"] is None  # no made-up peak on CPU
+    first, last = records[0]["loss"], sum(r["loss"] for r in records[-5:]) / 5
+    assert first > 8.0 and last < first - 1.0  # ln(4096) = 8.3 at the start; clearly falling
+    assert records[-1]["tokens"] == 200 * 16 * 128
+    assert (run / "config.toml").is_file()
+    assert (run / "checkpoints" / "step-200" / "train_state.json").is_file()  # the resumable one
+    assert (run / "hf" / "step-200" / "config.json").is_file()
+    again = duoka("train", f"--job.output_dir={run}", "--training.steps=2")
+    assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr[-2000:]
+    assert "error: " in again.stderr and "already holds a run" in again.stderr
+    assert "--checkpoint.resume=auto" in again.stderr
+
+
 def test_no_prototype_or_other_warnings_in_the_log(default_run):
     _, proc = default_run
     log = proc.stdout + proc.stderr

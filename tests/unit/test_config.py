@@ -34,7 +34,8 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
     (["--training.micro_batch_size=big"], "is not an integer", "or auto"),
     (["--optimizer.min_lr_ratio=2"], "out of range", "between 0.0 and 1.0"),
     (["--parallel.dp_mode=zero3"], "parallel.dp_mode='zero3' is not allowed", "ddp, fsdp"),
-    (["--training.compile=maybe"], "not a boolean", "true or false"),
+    (["--training.compile=maybe"], "not a boolean", "use true, false or auto"),
+    (["--checkpoint.enabled=maybe"], "not a boolean", "use true or false"),
     (["--training.steps"], "--training.steps has no value", "--training.steps=VALUE"),
 ])
 def test_bad_overrides(args, cause, fix):
@@ -60,7 +61,9 @@ def test_bad_file(tmp_path):
      "write steps = 5 under [training] (without quotes"),
     ("[training]\nsteps = 5.0", "training.steps = 5.0 is a float, not an integer", "write steps = 5 under"),
     ("[training]\nsteps = true", "training.steps = true is a boolean, not an integer", "write steps = 5 under"),
-    ('[training]\ncompile = "false"', 'training.compile = "false" is a string, not a boolean', "compile = false"),
+    ('[training]\ncompile = "false"', 'training.compile = "false" is a string, not a boolean or "auto"',
+     "compile = false"),
+    ('[checkpoint]\nenabled = "false"', 'checkpoint.enabled = "false" is a string, not a boolean', "enabled = false"),
     ('[training]\nmicro_batch_size = "4"', 'is a string, not an integer or "auto"', "micro_batch_size = 4"),
     ('[optimizer]\nlr = "3e-4"', 'optimizer.lr = "3e-4" is a string, not a number', "lr = 0.0003"),
     ("[optimizer]\nlr = nan", "optimizer.lr=nan is not a finite number", "3e-4"),
@@ -87,6 +90,15 @@ def test_flags_convert_and_typed_toml_loads(tmp_path):
 def test_auto_or_int():
     assert load_config(None, ["--training.micro_batch_size=auto"]).training.micro_batch_size == "auto"
     assert load_config(None, ["--training.micro_batch_size=8"]).training.micro_batch_size == 8
+
+
+def test_auto_or_bool(tmp_path):
+    """training.compile: auto (the default), or a boolean, from flags and from TOML."""
+    assert Config().training.compile == "auto"
+    assert [load_config(None, [f"--training.compile={v}"]).training.compile for v in ("auto", "true", "false")] == \
+        ["auto", True, False]
+    assert load_config(write(tmp_path, '[training]\ncompile = "auto"\n')).training.compile == "auto"
+    assert load_config(write(tmp_path, "[training]\ncompile = false\n")).training.compile is False
 
 
 def test_docs_are_generated_from_the_code():

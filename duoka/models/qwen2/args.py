@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from duoka.errors import DuokaError
+from duoka.models.lora import LoRAArgs
 
 
 @dataclass(frozen=True)
@@ -87,10 +88,33 @@ class ModelArgs:
         mlp = 3 * self.dim * self.intermediate_size
         return self.n_layers * (attn + mlp) + self.vocab_size * self.dim
 
-    def flops_per_token(self, seq_len: int) -> float:
+    def flops_per_token(self, seq_len: int, lora: LoRAArgs | None = None) -> float:
         """Training FLOPs per token, PaLM appendix B: 6N + 12·L·H·S (attention not halved
-        for causality; the same convention as torchtitan and the peer baseline)."""
-        return 6 * self.matmul_params() + 12 * self.n_layers * self.n_heads * self.resolved_head_dim * seq_len
+        for causality; the same convention as torchtitan and the peer baseline).
+
+        With LoRA, the LoRA peer's convention (../shared/peer/hf_qwen2_lora_baseline.py): a
+        frozen weight costs its forward and its input's gradient, 4 per weight; a trained
+        one also its own gradient, 6 (the adapters, and the head when trained whole, tied
+        or not); attention keeps its 12·L·H·S, as the adapters below it need its input
+        gradients."""
+        attention = 12 * self.n_layers * self.n_heads * self.resolved_head_dim * seq_len
+        if lora is None:
+            return 6 * self.matmul_params() + attention
+        head = self.vocab_size * self.dim
+        head_trains = "lm_head" in lora.modules_to_save or (self.tie_word_embeddings and
+                                                            "embed_tokens" in lora.modules_to_save)
+        trained = self.adapter_params(lora) + (head if head_trains else 0)
+        frozen = self.matmul_params() - (head if head_trains else 0)
+        return 4 * frozen + 6 * trained + attention
+
+    def adapter_params(self, lora: LoRAArgs) -> int:
+        """Parameters of the LoRA adapters: rank x (in + out) per targeted layer."""
+        hd = self.resolved_head_dim
+        shapes = {"q_proj": (self.dim, self.n_heads * hd), "k_proj": (self.dim, self.n_kv_heads * hd),
+                  "v_proj": (self.dim, self.n_kv_heads * hd), "o_proj": (self.n_heads * hd, self.dim),
+                  "gate_proj": (self.dim, self.intermediate_size), "up_proj": (self.dim, self.intermediate_size),
+                  "down_proj": (self.intermediate_size, self.dim)}
+        return self.n_layers * sum(lora.rank * sum(shapes[name]) for name in lora.targets)
 
 
 DOCUMENT_MASKING = ("sdpa", "flex", "varlen")

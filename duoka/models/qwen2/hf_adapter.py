@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 
 from duoka.errors import DuokaError
 from duoka.hub import resolve_model_dir
+from duoka.models.lora import LoRAArgs, is_adapter
 from duoka.models.qwen2.args import ModelArgs, ModelOptions, from_hf_config, to_hf_config
 from duoka.models.qwen2.model import Qwen2, build_model, materialize, write_full_
 
@@ -115,7 +116,7 @@ def weight_files(folder: Path) -> dict[str, Path]:
                              "the download is incomplete; fetch the missing shards")
         return files
     if single.is_file():
-        return {name: single for name in _open(single).keys()}
+        return {name: single for name in open_safetensors(single).keys()}
     pickles = sorted(p.name for p in folder.glob("*.bin")) + sorted(p.name for p in folder.glob("*.pt*"))
     if pickles:
         raise DuokaError(
@@ -126,7 +127,7 @@ def weight_files(folder: Path) -> dict[str, Path]:
     raise DuokaError(f"{folder} has no {SINGLE_FILE} or {INDEX_FILE}", "point at a Hugging Face model folder with safetensors weights")
 
 
-def _open(path: Path):
+def open_safetensors(path: Path):
     try:
         return safe_open(str(path), framework="pt", device="cpu")
     except (SafetensorError, OSError) as e:
@@ -158,8 +159,9 @@ def _model_tensors(model: Qwen2) -> dict[str, list[tuple[str, tuple[int, ...]]]]
     """The model's tensor name -> its checkpoint sources, for every tensor this (possibly
     partial) model loads."""
     return {name: checkpoint_sources(name, tuple(tensor.shape), model.args) for name, tensor in model.state_dict().items()
-            # transformers omits the tied head; its values are the embedding's
-            if not (name == "output.weight" and model.args.tie_word_embeddings)}
+            # transformers omits the tied head; its values are the embedding's. LoRA
+            # adapters are not the base's: they start from their own init.
+            if not (name == "output.weight" and model.args.tie_word_embeddings) and not is_adapter(name)}
 
 
 def _expected_tensors(model: Qwen2) -> dict[str, tuple[int, ...]]:
@@ -175,7 +177,7 @@ def open_checkpoint(folder: Path, model: Qwen2, allow_unused: bool = False) -> t
     allow_unused: accept checkpoint tensors the model does not hold (a pipeline stage
     loads only its layers). Missing or wrongly shaped tensors are always an error."""
     files = weight_files(folder)
-    handles = {path: _open(path) for path in set(files.values())}
+    handles = {path: open_safetensors(path) for path in set(files.values())}
     expected = _expected_tensors(model)
 
     found: dict[str, tuple[int, ...]] = {}
@@ -225,17 +227,22 @@ def load_hf_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     options: ModelOptions = ModelOptions(),
+    lora: LoRAArgs | None = None,
+    seed: int = 0,
 ) -> tuple[Qwen2, Path]:
     """Build the model (with `options`) on meta, allocate it once on `device` in `dtype`
-    (default: the checkpoint's dtype on GPU, fp32 on CPU), then stream the weights in."""
+    (default: the checkpoint's dtype on GPU, fp32 on CPU), then stream the weights in.
+    lora: fresh adapters on the loaded base (their init drawn from `seed`), all in `dtype`."""
     folder = resolve_model_dir(name_or_path)
     args = read_config(folder)
     if dtype is None:
         dtype = checkpoint_dtype(folder) or torch.bfloat16
         if torch.device(device).type == "cpu":
             dtype = torch.float32  # CPU bf16 matmuls are slow and rarely what a user wants
-    model = materialize(build_model(args, options), device, dtype)
+    model = materialize(build_model(args, options, lora=lora), device, dtype)
     load_hf_weights(model, folder)
+    if lora is not None:
+        model.init_weights(seed, adapters_only=True)
     return model.eval(), folder
 
 
@@ -331,7 +338,7 @@ def save_hf_state_dict(
             extra = Path(extra)
             if extra.is_file():
                 shutil.copy2(extra, stage / extra.name)
-        _readable_by_all(stage)
+        readable_by_all(stage)
         _publish(stage, out)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
@@ -346,7 +353,7 @@ def _to_host(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     return t.to("cpu").contiguous()
 
 
-def _readable_by_all(folder: Path) -> None:
+def readable_by_all(folder: Path) -> None:
     """safetensors creates files private to the owner; a model folder is meant to be shared
     like any file the user writes, so apply the ordinary umask instead."""
     umask = os.umask(0)

@@ -5,7 +5,8 @@ tests/unit/test_parity.py), laid out for parallelism the torchtitan way: no proc
 groups inside, layers in a ModuleDict with string keys (a pipeline stage builds only the
 ones it owns, under their global names), built on the meta device and then materialised
 with `to_empty` + `init_weights`, or filled from a checkpoint. How it runs (attention
-kernels, fused projections, compiled bodies) is fixed at construction by ModelOptions.
+kernels, fused projections, compiled bodies) is fixed at construction by ModelOptions;
+LoRA adapters (duoka.models.lora), which change what it computes and trains, by LoRAArgs.
 
 Architecture (Qwen2 technical report, arXiv:2407.10671): pre-norm decoder blocks with
 RMSNorm, grouped-query attention with biases on q/k/v, rotary position embeddings
@@ -26,6 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from duoka.models.compile import compiled
+from duoka.models.lora import LoRAArgs, LoRALinear, adapter_init, freeze_base, is_adapter, linear
 from duoka.models.loss import chunked_cross_entropy
 from duoka.models.qwen2.args import DOCUMENT_MASKING, ModelArgs, ModelOptions
 from duoka.models.qwen2.paged import PagedBatch, causal_varlen, paged_attention
@@ -154,10 +156,11 @@ def _varlen_attention(q, k, v, mask: Varlen) -> torch.Tensor:
 
 def fusable(*linears: nn.Module) -> bool:
     """Whether these linear layers, which read the same input, can run as one matmul: plain
-    nn.Linear on plain tensors. Under tensor parallelism the weights are DTensor shards (a
-    concatenation along the sharded dimension would need communication) and float8 layers
-    run their own matmuls, so both keep one matmul per layer."""
-    return all(type(layer) is nn.Linear and not isinstance(layer.weight, DTensor) for layer in linears)
+    nn.Linear (or LoRALinear, whose base weights fuse and whose adapters run apart) on plain
+    tensors. Under tensor parallelism the weights are DTensor shards (a concatenation along
+    the sharded dimension would need communication) and float8 layers run their own
+    matmuls, so both keep one matmul per layer."""
+    return all(type(layer) in (nn.Linear, LoRALinear) and not isinstance(layer.weight, DTensor) for layer in linears)
 
 
 def fused_linear(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
@@ -167,10 +170,11 @@ def fused_linear(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ..
     narrow: Qwen2's key and value projections have 2-4 KV heads (256 outputs at 1.5B),
     too few columns to fill a large GPU alone, in the forward and in both backward products.
     Each output column is the same dot product as before.
-    The outputs are views of one buffer."""
+    The outputs are views of one buffer, except a LoRA layer's, which adds its adapter's share."""
     weight = torch.cat([layer.weight for layer in linears])
     bias = None if linears[0].bias is None else torch.cat([layer.bias for layer in linears])
-    return F.linear(x, weight, bias).split([layer.weight.shape[0] for layer in linears], dim=-1)
+    outs = F.linear(x, weight, bias).split([layer.weight.shape[0] for layer in linears], dim=-1)
+    return tuple(out + layer.delta(x) if isinstance(layer, LoRALinear) else out for out, layer in zip(outs, linears))
 
 
 SDPA_BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -189,7 +193,7 @@ class Attention(nn.Module):
     """Grouped-query attention. Only x is positional in forward: the tensor-parallel plan
     lays out the first positional input and passes keyword arguments through untouched."""
 
-    def __init__(self, args: ModelArgs, options: ModelOptions = ModelOptions()):
+    def __init__(self, args: ModelArgs, options: ModelOptions = ModelOptions(), lora: LoRAArgs | None = None):
         super().__init__()
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
@@ -200,10 +204,10 @@ class Attention(nn.Module):
             self.wqkv = nn.Linear(args.dim, q_out + 2 * kv_out, bias=True)
             self.qkv_split = (q_out, kv_out, kv_out)
         else:
-            self.wq = nn.Linear(args.dim, q_out, bias=True)
-            self.wk = nn.Linear(args.dim, kv_out, bias=True)
-            self.wv = nn.Linear(args.dim, kv_out, bias=True)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+            self.wq = linear(args.dim, q_out, True, lora, "q_proj")
+            self.wk = linear(args.dim, kv_out, True, lora, "k_proj")
+            self.wv = linear(args.dim, kv_out, True, lora, "v_proj")
+        self.wo = linear(args.n_heads * self.head_dim, args.dim, False, lora, "o_proj")
         self.fuse_qkv = options.fuse_qkv  # q, k and v from one matmul where fusable(); see fused_linear
         # The one SDPA kernel for causal attention (None: PyTorch's choice), applied with
         # sdpa_kernel() inside the forward: torch.compile bakes a context manager's backend
@@ -252,15 +256,15 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x); w1 is HF's gate_proj, w3 up_proj, w2 down_proj."""
 
-    def __init__(self, dim: int, hidden: int, options: ModelOptions = ModelOptions()):
+    def __init__(self, dim: int, hidden: int, options: ModelOptions = ModelOptions(), lora: LoRAArgs | None = None):
         super().__init__()
         self.packed = options.packed_projections
         if self.packed:  # gate rows first, then up (see ModelOptions.packed_projections)
             self.w13 = nn.Linear(dim, 2 * hidden, bias=False)
         else:
-            self.w1 = nn.Linear(dim, hidden, bias=False)
-            self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
+            self.w1 = linear(dim, hidden, False, lora, "gate_proj")
+            self.w3 = linear(dim, hidden, False, lora, "up_proj")
+        self.w2 = linear(hidden, dim, False, lora, "down_proj")
         self._body = compiled_body(self._mlp, options.compile == "parts", options.compile_dynamic)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -276,13 +280,14 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs, options: ModelOptions = ModelOptions(), layer_id: int = 0):
+    def __init__(self, args: ModelArgs, options: ModelOptions = ModelOptions(), layer_id: int = 0,
+                 lora: LoRAArgs | None = None):
         super().__init__()
         self.layer_id = layer_id  # which of a serving step's per-layer caches is this layer's
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args, options)
+        self.attention = Attention(args, options, lora)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.intermediate_size, options)
+        self.feed_forward = FeedForward(args.dim, args.intermediate_size, options, lora)
         self._body = compiled_body(self._block, options.compile == "block", options.compile_dynamic)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask=None) -> torch.Tensor:
@@ -307,20 +312,30 @@ class StageSlice:
 
 
 class Qwen2(nn.Module):
-    def __init__(self, args: ModelArgs, options: ModelOptions = ModelOptions(), stage: StageSlice | None = None):
+    def __init__(self, args: ModelArgs, options: ModelOptions = ModelOptions(), stage: StageSlice | None = None,
+                 lora: LoRAArgs | None = None):
+        """lora: adapters on the targeted linear layers, and every other parameter frozen
+        but the modules to save (duoka.models.lora)."""
         super().__init__()
+        if lora is not None and options.packed_projections:
+            raise ValueError("packed projections are for inference and take no adapters: merge the adapter into "
+                             "the weights instead (duoka.models.qwen2.peft.merge_adapter)")
         self.args = args
         self.options = options
         self.stage = stage
+        self.lora = lora
         start, stop = (0, args.n_layers) if stage is None else (stage.start, stage.stop)
         first = stage is None or stage.first
         last = stage is None or stage.last
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) \
             if first or (last and args.tie_word_embeddings) else None
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, options, i) for i in range(start, stop)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, options, i, lora) for i in range(start, stop)})
         self.norm = RMSNorm(args.dim, args.norm_eps) if last else None
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if last else None
         self.tie_weights()
+        if lora is not None:
+            saved = {"embed_tokens": self.tok_embeddings, "lm_head": self.output}
+            freeze_base(self, {name: saved[name] for name in lora.modules_to_save})
 
     @property
     def takes_tokens(self) -> bool:
@@ -335,9 +350,11 @@ class Qwen2(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
     @torch.no_grad()
-    def init_weights(self, seed: int = 0):
+    def init_weights(self, seed: int = 0, adapters_only: bool = False):
         """Random init as transformers' Qwen2PreTrainedModel: normal(0, initializer_range)
-        for linear and embedding weights, zero biases, unit norms.
+        for linear and embedding weights, zero biases, unit norms; LoRA adapters as PEFT
+        (duoka.models.lora.adapter_init). adapters_only: the adapters of a base loaded
+        from a checkpoint.
 
         Each parameter's values are a function of (seed, its name) only, drawn in full and
         then written into whatever shard this rank holds. So a model initialises to the
@@ -350,13 +367,19 @@ class Qwen2(nn.Module):
             if id(param) in seen:  # the tied head was written with the embedding
                 continue
             seen.add(id(param))
+            if adapters_only and not is_adapter(name):
+                continue
+            # The plain model's name: activation checkpointing's wrapper must not change the values.
+            name = name.replace("_checkpoint_wrapped_module.", "")
             local = param.to_local() if isinstance(param, DTensor) else param
-            if name.endswith("norm.weight"):
+            gen = torch.Generator(device=local.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            if is_adapter(name):
+                full = adapter_init(name, param.shape, local.device, gen)
+            elif name.endswith("norm.weight"):
                 full = torch.ones(param.shape, device=local.device, dtype=torch.float32)
             elif name.endswith(".bias"):
                 full = torch.zeros(param.shape, device=local.device, dtype=torch.float32)
             else:
-                gen = torch.Generator(device=local.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
                 full = torch.empty(param.shape, device=local.device, dtype=torch.float32).normal_(0.0, std, generator=gen)
             write_full_(param, full)
 
@@ -399,12 +422,13 @@ class Qwen2(nn.Module):
 
 
 def build_model(args: ModelArgs, options: ModelOptions = ModelOptions(), device: str | torch.device = "meta",
-                dtype: torch.dtype | None = None, stage: StageSlice | None = None) -> Qwen2:
+                dtype: torch.dtype | None = None, stage: StageSlice | None = None,
+                lora: LoRAArgs | None = None) -> Qwen2:
     """Build with uninitialised storage on `device` (meta by default: no memory at all).
 
     On a real device call `init_weights()` or load a checkpoint next."""
     with torch.device(device):
-        model = Qwen2(args, options, stage)
+        model = Qwen2(args, options, stage, lora)
     if dtype is not None:
         model.to(dtype)
     return model
