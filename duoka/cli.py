@@ -57,8 +57,6 @@ def add_generate_parser(sub) -> None:
 def run_generate(a: argparse.Namespace) -> int:
     from duoka.serve.engine import LLMEngine
     from duoka.serve.params import SamplingParams
-    from duoka.serve.runner import ModelRunner
-
     params = SamplingParams(max_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
                             top_p=a.top_p, seed=a.seed, ignore_eos=a.ignore_eos)
     prompt = a.prompt
@@ -69,11 +67,11 @@ def run_generate(a: argparse.Namespace) -> int:
             raise DuokaError("no prompt given", 'pass --prompt "..." or pipe text on stdin')
         prompt = DEFAULT_PROMPT
 
-    model, runner = a.model, ModelRunner
+    model = a.model
     if a.adapter is not None:
-        model, runner = _adapter_runner(Path(a.adapter), a.model)
+        model = _adapter_base(Path(a.adapter), a.model)
     engine = LLMEngine(model, device=a.device, dtype=a.dtype, max_num_seqs=1, cuda_graphs=not a.enforce_eager,
-                       compile=False if a.enforce_eager else None, log=log, runner_factory=runner)
+                       compile=False if a.enforce_eager else None, log=log, adapter=a.adapter)
     if a.chat:
         messages = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": prompt}]
         ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -95,23 +93,16 @@ def run_generate(a: argparse.Namespace) -> int:
     return 0
 
 
-def _adapter_runner(adapter_dir: Path, model: str | None):
-    """(the base to load, a runner factory that merges the adapter into the loaded weights
-    before the runner exists, so its CUDA graphs and compiled steps see the merged ones)."""
-    from duoka.models.qwen2.peft import merge_adapter, read_adapter
-    from duoka.serve.runner import ModelRunner
+def _adapter_base(adapter_dir: Path, model: str | None) -> str:
+    """The base model an adapter goes on: --model, else the one its adapter_config.json names."""
+    from duoka.models.qwen2.peft import read_adapter
 
-    adapter = read_adapter(adapter_dir)
-    base = model or adapter.base
+    base = model or read_adapter(adapter_dir).base
     if base is None:
         raise DuokaError(f"{adapter_dir / 'adapter_config.json'} names no base model (base_model_name_or_path)",
                          "give the base model with --model")
     log(f"duoka: adapter {adapter_dir} on {base}, merged at load")
-
-    def runner(loaded, *args, **kwargs):
-        return ModelRunner(merge_adapter(loaded, adapter), *args, **kwargs)
-
-    return base, runner
+    return base
 
 
 def _steady_rate(stamps: list[float]) -> str:

@@ -23,6 +23,7 @@ from duoka.errors import DuokaError
 from duoka.hub import bundled_model_dir, resolve_model_dir
 from duoka.models.qwen2.args import ModelOptions
 from duoka.models.qwen2.hf_adapter import load_hf_model, read_config
+from duoka.models.qwen2.peft import merge_adapter
 from duoka.parallel.devices import compute_dtype_name
 from duoka.parallel.serve_tp import check_tp_size, load_tp_model, local_kv_heads
 from duoka.serve.blocks import BlockManager
@@ -109,6 +110,7 @@ class LLMEngine:
     gpu_memory_utilization: the share of the GPU the process may fill, weights and cache
     together (CPU: the share of free RAM, at most CPU_KV_CACHE_GIB unless kv_cache_memory_gib).
     num_kv_blocks: a fixed cache size instead (tests use a tiny one to force preemption).
+    adapter: a PEFT LoRA adapter folder, merged into the loaded weights (tp 1).
     runner_factory: builds the runner from ModelRunner's arguments (a benchmark of the host's
     work passes one whose execute returns logits without a model)."""
 
@@ -117,6 +119,7 @@ class LLMEngine:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, enable_prefix_caching: bool = True,
                  num_kv_blocks: int | None = None, kv_cache_memory_gib: float | None = None, seed: int = 0,
                  served_model_name: str | None = None, cuda_graphs: bool = True, compile: bool | None = None,
+                 adapter: str | Path | None = None,
                  tp_group: dist.ProcessGroup | None = None, log=_log, runner_factory=ModelRunner):
         if not 0 < gpu_memory_utilization <= 1:
             raise DuokaError(f"--gpu-memory-utilization {gpu_memory_utilization} is outside (0, 1]",
@@ -159,6 +162,12 @@ class LLMEngine:
             self.model = load_tp_model(folder, args, tp_group, self.device, self.dtype, options)
         else:
             self.model, _ = load_hf_model(folder, device=self.device, dtype=self.dtype, options=options)
+        if adapter is not None:
+            if self.tp > 1:
+                raise DuokaError("a LoRA adapter with tensor parallelism is not supported yet",
+                                 "merge it first: duoka export ADAPTER --merge --out DIR, then serve DIR")
+            # Before the profile step, the cache sizing and the CUDA graphs: they all see the merged weights.
+            merge_adapter(self.model, adapter)
         self.model.requires_grad_(False)  # inference only: nothing compiled traces a backward
         self.sampler = Sampler()
         kv_bytes = 0

@@ -27,7 +27,6 @@ from __future__ import annotations
 import multiprocessing
 import queue
 import signal
-import sys
 import threading
 import traceback
 from dataclasses import dataclass
@@ -56,10 +55,6 @@ class EngineInfo:
     default_params: dict
     limits: RequestLimits
     stats: EngineStats
-
-
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 class EngineProcess:
