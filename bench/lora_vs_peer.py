@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -45,11 +46,15 @@ DEFAULT_CASES = ("peer:7b:4", "duoka:7b:4", "duoka:7b:2:4096", "duoka:1.5b:8", "
                  "peer:0.5b:8")
 
 
-def run_duoka(model: str, mbs: int, seq: int, extra: list[str], compile_cache: str | None, timeout: int) -> dict:
+def run_duoka(model: str, mbs: int, seq: int, extra: list[str], compile_cache: str | None, timeout: int,
+              profile_dir: Path | None = None) -> dict:
     run = Path(tempfile.mkdtemp(prefix="duoka-lora-")) / "run"
+    if profile_dir is not None:  # one step after the timed ones, so the figures above are unprofiled
+        extra = [*extra, f"--metrics.profile_step={WARMUP + TIMED + 1}"]  # 1-based
     cmd = [sys.executable, "-m", "duoka.cli", "train", f"--job.output_dir={run}", f"--model.flavor={FLAVOR[model]}",
            "--data.path=random", f"--training.seq_len={seq}", f"--training.micro_batch_size={mbs}",
-           f"--training.global_batch_size={mbs}", f"--training.steps={WARMUP + TIMED}", "--training.dtype=bf16",
+           f"--training.global_batch_size={mbs}", f"--training.steps={WARMUP + TIMED + (profile_dir is not None)}",
+           "--training.dtype=bf16",
            f"--lora.rank={RANK}", f"--lora.alpha={ALPHA}", "--lora.target_modules=all-linear",
            "--training.compile=true", "--training.fused_loss=true", "--checkpoint.enabled=false",
            "--checkpoint.export_final=false", "--metrics.log_interval=1", "--optimizer.warmup_steps=2",
@@ -60,7 +65,15 @@ def run_duoka(model: str, mbs: int, seq: int, extra: list[str], compile_cache: s
     wall = time.perf_counter() - t
     if proc.returncode != 0:
         return {"error": proc.stderr[-2000:], "wall_s": round(wall, 1), "command": cmd}
-    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][WARMUP:]
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][WARMUP:WARMUP + TIMED]
+    if profile_dir is not None:  # the per-kernel table and the phase summary of the profiled step
+        profile_dir.mkdir(parents=True, exist_ok=True)
+        tag = f"{model}-mb{mbs}-seq{seq}"
+        shutil.copy(run / "profile" / "kernels-rank0.json", profile_dir / f"kernels-{tag}.json")
+        trace = next((run / "profile").glob("trace-rank0.json*"))
+        summary = subprocess.run([sys.executable, str(ROOT / "bench" / "trace_summary.py"), str(trace)],
+                                 capture_output=True, text=True)
+        (profile_dir / f"phases-{tag}.txt").write_text(summary.stdout + summary.stderr[-2000:])
     step = statistics.median(r["step_time_s"] for r in recs)
     seconds = sum(r["step_time_s"] for r in recs)
     banner = next((line for line in proc.stderr.splitlines() if "duoka train" in line and "parameters" in line), "")
@@ -100,6 +113,8 @@ def main() -> None:
     p.add_argument("--compile-cache", default=None, help="training.compile_cache for the duoka cases")
     p.add_argument("--budget-s", type=float, default=560, help="skip cases that would end past this (default 560)")
     p.add_argument("--timeout", type=int, default=300, help="seconds per case")
+    p.add_argument("--profile-dir", type=Path, default=None,
+                   help="profile one more step of each duoka case; its kernel table and phase summary go here")
     a = p.parse_args()
     import torch
 
@@ -117,7 +132,7 @@ def main() -> None:
         else:
             try:
                 row.update(run_duoka(model, int(mbs), seq, [f"--{s}" for s in a.set], a.compile_cache,
-                                     min(a.timeout, int(left))) if side == "duoka"
+                                     min(a.timeout, int(left)), a.profile_dir) if side == "duoka"
                            else run_peer(a.peer, model, int(mbs), seq, min(a.timeout, int(left))))
             except subprocess.TimeoutExpired as e:
                 row["error"] = f"timed out after {e.timeout} s"
