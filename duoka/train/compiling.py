@@ -7,12 +7,19 @@ fails at the first forward, inside the first step, where some ranks may already 
 a collective that the failing rank will never join. So one small decoder block is
 compiled and run forward and backward first, on the run's device, dtype and kernels, and
 every rank shares its outcome: where any rank fails, all build the uncompiled model, and
-rank 0 prints one warning naming the cause and the switch.
+rank 0 prints one warning naming the cause and the switch. A check that passed is
+remembered in the compile cache folder (check_stamp), so the next launch of the same
+configuration on the same software and device skips it (5-7 s on an H200).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import importlib.metadata
+import os
+import shutil
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -20,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from duoka.cache import INDUCTOR_CACHE_ENV
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import ModelArgs, ModelOptions
 from duoka.models.qwen2.model import TransformerBlock, document_mask, rope_cos_sin
@@ -108,6 +116,29 @@ def check_compile(args: ModelArgs, options: ModelOptions, param_dtype: torch.dty
     return None
 
 
+def check_stamp(args: ModelArgs, options: ModelOptions, param_dtype: torch.dtype,
+                autocast_dtype: torch.dtype | None, device: torch.device, documents: bool) -> Path | None:
+    """The file that records a passed check, in the compile cache folder (None without one),
+    named by everything the check's outcome depends on: the block's shape and kernels, the
+    dtypes, the torch, CUDA and Triton versions, the device (or the C++ compiler Inductor's
+    CPU kernels need) and the source of the compiled code. Any change makes a new name, so
+    the check runs again."""
+    folder = os.environ.get(INDUCTOR_CACHE_ENV)
+    if not folder:
+        return None
+    try:
+        triton = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        triton = None
+    where = ((torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)) if device.type == "cuda"
+             else (device.type, os.environ.get("CXX"), shutil.which("g++"), shutil.which("c++")))
+    code = [hashlib.sha256(Path(sys.modules[name].__file__).read_bytes()).hexdigest()
+            for name in (__name__, TransformerBlock.__module__)]
+    facts = (torch.__version__, torch.version.cuda, triton, where, repr(check_args(args)), repr(options),
+             str(param_dtype), str(autocast_dtype), documents, code)
+    return Path(folder) / "duoka-compile-checks" / (hashlib.sha256(repr(facts).encode()).hexdigest()[:32] + ".ok")
+
+
 def describe(error: BaseException) -> str:
     """The error on one line, cut to CAUSE_CHARS: the backend's own error rather than
     torch's wrapper of it (BackendCompilerFailed keeps it as inner_exception)."""
@@ -122,25 +153,34 @@ def error_path(run_dir: str | Path, rank: int) -> Path:
     return Path(run_dir) / f"compile-error-rank{rank}.txt"
 
 
-def agree_to_compile(check, rank: int, world: int, run_dir: str | Path, console) -> bool:
+def agree_to_compile(check, rank: int, world: int, run_dir: str | Path, console, stamp: Path | None = None) -> bool:
     """Run `check` (a check_compile call) on this rank and decide with every other rank:
     True if it worked everywhere. Every rank takes part in the one all_gather, whatever its
     own outcome, so all build the same model and issue the same collectives from here on.
     A failing rank writes its whole error to compile-error-rank<R>.txt in the run
-    directory; rank 0 prints one warning naming the first failure and the switch."""
+    directory; rank 0 prints one warning naming the first failure and the switch. A rank
+    whose `stamp` (check_stamp) exists skips `check`; a check passed on every rank leaves it."""
     path = error_path(run_dir, rank)
     path.unlink(missing_ok=True)  # an earlier run's
     started = time.perf_counter()
-    error = check()
+    remembered = stamp is not None and stamp.exists()
+    error = None if remembered else check()
     seconds = time.perf_counter() - started
     if error is not None:
         with contextlib.suppress(OSError):  # the warning still names the cause
             path.write_text("".join(traceback.format_exception(error)))
-    causes: list = [None] * world
-    dist.all_gather_object(causes, describe(error) if error is not None else None)
-    failed = [(r, cause) for r, cause in enumerate(causes) if cause is not None]
+    outcomes: list = [None] * world
+    dist.all_gather_object(outcomes, (describe(error) if error is not None else None, remembered))
+    failed = [(r, cause) for r, (cause, _) in enumerate(outcomes) if cause is not None]
     if not failed:
-        console.print(f"compile check: a decoder block compiled in {seconds:.1f} s")
+        if all(skipped for _, skipped in outcomes):
+            console.print(f"compile check: passed before with this configuration, skipped ({stamp.parent})")
+        else:
+            console.print(f"compile check: a decoder block compiled in {seconds:.1f} s")
+        if stamp is not None and not remembered:
+            with contextlib.suppress(OSError):  # an unwritable cache only means checking again next time
+                stamp.parent.mkdir(parents=True, exist_ok=True)
+                stamp.touch()
         return True
     first, cause = failed[0]
     where = f"rank {first}" if len(failed) == 1 else f"ranks {', '.join(str(r) for r, _ in failed)}"

@@ -43,7 +43,7 @@ from duoka.timing import Mark, PhaseTimer
 from duoka.train.adapters import lora_args
 from duoka.train.balancing import LoadBalancing
 from duoka.train.checkpointing import Checkpointer
-from duoka.train.compiling import agree_to_compile, check_compile, compile_wanted, failing_ranks
+from duoka.train.compiling import agree_to_compile, check_compile, check_stamp, compile_wanted, failing_ranks
 from duoka.train.console import console_for
 from duoka.train.export import export_trained
 from duoka.train.health import Health
@@ -160,9 +160,11 @@ class Trainer:
         options = model_options(cfg, dims, device, compile=False)
         documents = cfg.data.document_masking and self.spec.token_file is not None
         inject = self.rank in failing_ranks(cfg.debug.fail_compile_ranks, self.world)
+        # An injected failure must fail whatever an earlier run remembered.
+        stamp = None if inject else check_stamp(self.args, options, param_dtype, autocast, device, documents)
         return agree_to_compile(lambda: check_compile(self.args, options, param_dtype, autocast, device, documents,
                                                       inject_failure=inject),
-                                self.rank, self.world, self.run_dir, self.console)
+                                self.rank, self.world, self.run_dir, self.console, stamp)
 
     def _open_data(self):
         spec, cfg = self.spec, self.cfg

@@ -15,7 +15,7 @@ def assert_user_error(proc, *phrases):
 def test_compiling_is_announced_and_cached_for_the_next_launch(duoka, compile_cache, compile_flags, tmp_path):
     """training.compile on: the console says that step 1 compiles and then how long it took;
     the artefacts go to the compile cache, where a second launch of the same configuration
-    finds every graph (it writes no new entry). (The folder's default under the user's cache
+    finds every graph (it writes no new entry) and skips the compile check. (The folder's default under the user's cache
     directory: tests/unit/test_compiling.py.)"""
     args = (*compile_flags, "--data.path=random", "--training.steps=2", "--training.seq_len=64",
             "--training.global_batch_size=8", "--checkpoint.enabled=false", "--checkpoint.export_final=false")
@@ -32,6 +32,7 @@ def test_compiling_is_announced_and_cached_for_the_next_launch(duoka, compile_ca
     assert {path.parts[0] for path in set(made) - set(before)} == {"fxgraph", "aotautograd"}  # step 1's graphs
     second = duoka.ok("train", f"--job.output_dir={tmp_path / 'second'}", *args)
     assert re.search(r"\nstep 1 compiled in \d+\.\d s\n", second.stderr), second.stderr[-3000:]
+    assert "compile check: passed before with this configuration, skipped" in second.stderr
     assert entries() == made
 
 

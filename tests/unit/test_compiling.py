@@ -5,11 +5,21 @@ test_model_parallel.py; the cache across launches: tests/integration/test_cli_tr
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from duoka.cache import INDUCTOR_CACHE_ENV, compile_cache_env
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import FLAVORS, ModelOptions
-from duoka.train.compiling import CAUSE_CHARS, check_args, check_compile, compile_wanted, describe, failing_ranks
+from duoka.train.compiling import (
+    CAUSE_CHARS,
+    agree_to_compile,
+    check_args,
+    check_compile,
+    check_stamp,
+    compile_wanted,
+    describe,
+    failing_ranks,
+)
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda", 0)
 
@@ -71,3 +81,50 @@ def test_an_injected_failure_fails_in_the_compiler():
 def test_describe_is_one_line_of_bounded_length():
     text = describe(ValueError("first line\n" + "x" * 1000))
     assert "\n" not in text and len(text) <= len("ValueError: ") + CAUSE_CHARS and text.endswith("...")
+
+
+class Console:
+    def __init__(self):
+        self.lines = []
+
+    def print(self, text):
+        self.lines.append(text)
+
+    warning = print
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_passed_check_is_remembered_until_what_it_depends_on_changes(tmp_path, monkeypatch, one_rank_group):
+    """The second launch of a configuration skips the check; another configuration, torch or
+    device gets a stamp of its own; a failed check leaves none."""
+    monkeypatch.setenv(INDUCTOR_CACHE_ENV, str(tmp_path / "cache"))
+    args = FLAVORS["debug"]
+    stamp = check_stamp(args, ModelOptions(), torch.float32, None, CPU, documents=False)
+    assert stamp.parent == tmp_path / "cache" / "duoka-compile-checks" and not stamp.exists()
+    assert check_stamp(args, ModelOptions(), torch.float32, None, CPU, documents=True) != stamp
+    assert check_stamp(args, ModelOptions(), torch.float32, torch.bfloat16, CPU, documents=False) != stamp
+    assert check_stamp(FLAVORS["qwen2-7b"], ModelOptions(), torch.float32, None, CPU, documents=False) != stamp
+    monkeypatch.setattr(torch, "__version__", "0.0.0")
+    assert check_stamp(args, ModelOptions(), torch.float32, None, CPU, documents=False) != stamp
+    monkeypatch.undo()
+    monkeypatch.setenv(INDUCTOR_CACHE_ENV, str(tmp_path / "cache"))
+
+    calls, console = [], Console()
+
+    def check(error=None):
+        calls.append(error)
+        return error
+
+    assert not agree_to_compile(lambda: check(RuntimeError("broken")), 0, 1, tmp_path, console, stamp)
+    assert not stamp.exists() and len(calls) == 1
+    assert agree_to_compile(check, 0, 1, tmp_path, console, stamp) and stamp.exists() and len(calls) == 2
+    assert agree_to_compile(check, 0, 1, tmp_path, console, stamp) and len(calls) == 2  # skipped
+    assert console.lines[-1].startswith("compile check: passed before with this configuration, skipped")
+    monkeypatch.delenv(INDUCTOR_CACHE_ENV)
+    assert check_stamp(args, ModelOptions(), torch.float32, None, CPU, documents=False) is None
