@@ -132,7 +132,11 @@ def add_serve_parser(sub) -> None:
     p.add_argument("--port", type=int, default=SERVE_DEFAULT_PORT)
     p.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${SERVE_API_KEY_ENV}, else none)")
-    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: MODEL)")
+    p.add_argument("--adapter", default=None,
+                   help="a PEFT LoRA adapter folder (a LoRA run's hf/step-N) merged into the model's weights at load; "
+                        "MODEL defaults to the base its adapter_config.json names (tp 1)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model name clients send (default: MODEL, or the --adapter folder)")
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="share of GPU memory for weights and KV cache (default 0.9)")
@@ -160,14 +164,24 @@ def run_serve(a: argparse.Namespace) -> int:
 
     if a.tp < 1:
         raise DuokaError(f"--tp {a.tp} must be at least 1", "give the number of GPUs to split the model over")
-    engine = dict(model=a.model, device=a.device, dtype=a.dtype, max_model_len=a.max_model_len,
+    model, served_name = a.model, a.served_model_name
+    if a.adapter is not None:
+        if a.tp > 1:  # the engine refuses it too, but only after every rank has loaded the model
+            raise DuokaError(f"--adapter with --tp {a.tp}: the adapter is merged into whole weights, which "
+                             "--tp splits over processes (not supported yet)",
+                             f"merge it first: duoka export {a.adapter} --merge --out DIR, then duoka serve DIR "
+                             f"--tp {a.tp}")
+        model = _adapter_base(Path(a.adapter), a.model)
+        served_name = served_name or a.adapter
+    engine = dict(model=model, device=a.device, dtype=a.dtype, max_model_len=a.max_model_len,
                   gpu_memory_utilization=a.gpu_memory_utilization, block_size=a.block_size,
                   max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
                   enable_prefix_caching=not a.no_prefix_caching, num_kv_blocks=a.num_kv_blocks,
-                  served_model_name=a.served_model_name, cuda_graphs=not a.enforce_eager,
-                  compile=False if a.enforce_eager else None)
+                  served_model_name=served_name, cuda_graphs=not a.enforce_eager,
+                  compile=False if a.enforce_eager else None,
+                  adapter=str(Path(a.adapter).resolve()) if a.adapter is not None else None)
     server = dict(host=a.host, port=a.port, api_key=a.api_key or os.environ.get(SERVE_API_KEY_ENV),
-                  max_queue=a.max_queue, served_model_name=a.served_model_name, grace_s=a.grace)
+                  max_queue=a.max_queue, served_model_name=served_name, grace_s=a.grace)
     return launch_serving(engine, server, a.tp, log=log)
 
 

@@ -179,7 +179,7 @@ def launch_training(
     check_balance_config(cfg.parallel, cfg.debug, dims.model_parallel, dims.tp, dims.pp, dims.dp_size, world)
     check_float8(cfg.training.float8, dims.tp)
     lora = adapters.lora_args(cfg)
-    adapters.check_layout(cfg, dims.pp)
+    adapters.check_layout(cfg, dims, args)
     if lora is not None and model_dir is None:
         log("duoka: warning: LoRA on a randomly initialised base (model.path is empty): right for measurements, "
             "but the adapter means nothing outside this run; set model.path to fine-tune a real model")

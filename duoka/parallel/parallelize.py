@@ -244,8 +244,12 @@ def parallelize_qwen2(model: Qwen2, dims: ParallelDims, mesh: DeviceMesh | None,
         device_ids = [torch.cuda.current_device()] if mesh.device_type == "cuda" else None
         # gradient_as_bucket_view: gradients live in the all-reduce buckets themselves, saving a
         # copy of every gradient into and out of the buckets each step (and that memory).
+        # No initial broadcast of a QLoRA model: DDP's would dequantise and requantise its
+        # NF4 weights (another base); every rank builds the same model from the same source.
+        quantized = model.lora is not None and model.lora.quantized
         wrapped = DistributedDataParallel(model, device_ids=device_ids, process_group=mesh["dp_replicate"].get_group(),
-                                          gradient_as_bucket_view=True, bucket_cap_mb=options.ddp_bucket_mb)
+                                          gradient_as_bucket_view=True, bucket_cap_mb=options.ddp_bucket_mb,
+                                          init_sync=not quantized)
     if hooks is not None:
         hooks.after_shard(timed)
     return wrapped

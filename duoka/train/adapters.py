@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 from pathlib import Path
 
 from duoka.errors import DuokaError
-from duoka.models.lora import LoRAArgs
+from duoka.models.lora import NF4_BLOCK, NF4_SCALER_BLOCK, LoRAArgs, nf4_shardable
 from duoka.models.qwen2.args import ModelArgs
+from duoka.parallel.dims import ParallelDims
 
 # Bytes read at each end of every weight file for the base's fingerprint: enough to tell
 # two checkpoints of one shape apart (their first and last tensors differ), without
@@ -27,27 +29,57 @@ FINGERPRINT_FILES = ("config.json", "model.safetensors.index.json")
 def lora_args(cfg) -> LoRAArgs | None:
     """The [lora] section as the model's LoRAArgs (None: LoRA off); bad names are refused here."""
     c = cfg.lora
-    return LoRAArgs.parse(c.rank, c.alpha, c.dropout, c.target_modules, c.modules_to_save)
+    return LoRAArgs.parse(c.rank, c.alpha, c.dropout, c.target_modules, c.modules_to_save, c.quantize)
 
 
-def check_layout(cfg, pp: int) -> None:
+def check_layout(cfg, dims: ParallelDims, args: ModelArgs) -> None:
     """What a LoRA run cannot be combined with (yet), refused before launch."""
     if cfg.lora.rank == 0:
         return
-    if pp > 1:
+    if dims.pp > 1:
         raise DuokaError(f"LoRA (lora.rank={cfg.lora.rank}) is not supported with pipeline parallelism "
-                         f"(parallel.pp={pp})", "use parallel.pp=1 with parallel.dp_mode=fsdp")
+                         f"(parallel.pp={dims.pp})", "use parallel.pp=1 with parallel.dp_mode=fsdp")
     if cfg.training.float8 != "none":
         raise DuokaError(f"LoRA (lora.rank={cfg.lora.rank}) is not supported with training.float8="
                          f"{cfg.training.float8}: float8 layers replace the linear layers that carry the adapters",
                          "use training.float8=none for LoRA runs")
+    if cfg.lora.quantize != "none":
+        check_quantized_layout(cfg.lora.quantize, dims, args)
+
+
+def check_quantized_layout(quantize: str, dims: ParallelDims, args: ModelArgs) -> None:
+    """QLoRA runs on one process, under DDP, and under FSDP2 with one shard group (tested
+    against one process); what torchao's NF4Tensor cannot be split for is refused."""
+    what = f"QLoRA (lora.quantize={quantize})"
+    if importlib.util.find_spec("torchao") is None:
+        raise DuokaError(f"{what} needs torchao (its NF4 tensors), which is not installed",
+                         "pip install torchao (a version made for this PyTorch), or lora.quantize=none")
+    if dims.tp > 1:
+        raise DuokaError(f"{what} is not supported with tensor parallelism (parallel.tp={dims.tp}): torchao's NF4 "
+                         "weights split by rows only, and tensor parallelism splits o_proj and down_proj by columns",
+                         "use parallel.tp=1 (DDP, or parallel.dp_mode=fsdp to shard the 4-bit base), or "
+                         "lora.quantize=none")
+    if dims.fsdp and dims.dp_replicate > 1:
+        raise DuokaError(f"{what} is not supported with HSDP (parallel.dp_replicate={dims.dp_replicate} with "
+                         "dp_mode=fsdp): torchao's NF4 weights do not gather under FSDP2 with replica groups",
+                         "use parallel.dp_replicate=1 (FSDP2 over all ranks), or parallel.dp_mode=ddp")
+    if dims.fsdp and dims.dp_shard > 1:
+        bad = [f"{name} ({out} x {inp})" for name, (inp, out) in args.linear_shapes().items()
+               if not nf4_shardable(out, inp, dims.dp_shard)]
+        if bad:
+            raise DuokaError(f"{what} under FSDP2 splits each 4-bit weight into {dims.dp_shard} shards of whole rows "
+                             f"and whole double-quantisation blocks (up to {NF4_BLOCK * NF4_SCALER_BLOCK:,} weights), "
+                             f"which this model's {', '.join(bad)} do not divide into",
+                             "use parallel.dp_mode=ddp (the 4-bit base whole on every rank), or a parallel.dp_shard "
+                             "that divides them")
 
 
 def saved_lora(state: dict) -> LoRAArgs | None:
     """The LoRA settings a checkpoint was trained with (its train_state.json: `state`)."""
     c = state.get("config", {}).get("lora", {})
     return LoRAArgs.parse(c.get("rank", 0), c.get("alpha", 0.0), c.get("dropout", 0.0),
-                          c.get("target_modules", "all-linear"), c.get("modules_to_save", ""))
+                          c.get("target_modules", "all-linear"), c.get("modules_to_save", ""),
+                          c.get("quantize", "none"))
 
 
 def base_name(base: dict | None) -> str | None:

@@ -18,7 +18,7 @@ from duoka.models.lora import LoRAArgs
 from duoka.models.qwen2.args import ModelArgs
 from duoka.models.qwen2.hf_adapter import load_hf_model, load_hf_weights, save_hf_checkpoint, save_hf_state_dict
 from duoka.models.qwen2.model import build_model, materialize
-from duoka.models.qwen2.peft import Adapter, merge_adapter, read_adapter, save_adapter
+from duoka.models.qwen2.peft import Adapter, dequantized_base_, merge_adapter, read_adapter, save_adapter
 from duoka.parallel.dtensor import full_value
 from duoka.parallel.parallelize import unwrap
 from duoka.train.adapters import base_name, fingerprint, saved_lora
@@ -73,6 +73,8 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_
         if not merge:
             return save_adapter(trained, lora, args, out, base_name(state.get("base")), extra)
         model = _base_model(checkpoint, state, args, base)
+        if lora.quantized:  # QLoRA: into the base it trained on, the NF4 base dequantised
+            dequantized_base_(model)
         merge_adapter(model, Adapter(checkpoint, lora.scaling, trained, None))
     return _save_model(model, out, dtype, max_shard_size, extra)
 

@@ -131,11 +131,15 @@ def build_training_model(args: ModelArgs, options: ModelOptions, par: ParallelOp
                          device: torch.device, fill: Filler, hooks: ModuleHooks | None, lora: LoRAArgs | None = None):
     """The whole model, parallelized. FSDP2 shards on the meta device, so each rank
     allocates only its shards; DDP needs real storage before it wraps the model. With
-    LoRA the frozen base is held in the compute dtype from the start (no fp32 copy)."""
+    LoRA the frozen base is held in the compute dtype from the start (no fp32 copy).
+    Under QLoRA the base is filled whole and quantized (its NF4 scales span each whole
+    tensor, so every layout holds the same values), then sharded or wrapped: while it
+    loads, each rank holds the base whole in the compute dtype, released layer by layer
+    as it is quantized."""
     model = build_model(args, options, lora=lora)
     if lora is not None:
         cast_frozen_(model, par.compute_dtype)
-    if dims.fsdp:
+    if dims.fsdp and not (lora is not None and lora.quantized):
         model = parallelize_qwen2(model, dims, mesh, par, hooks)
         model.to_empty(device=device)
         fill(model)
@@ -143,6 +147,8 @@ def build_training_model(args: ModelArgs, options: ModelOptions, par: ParallelOp
     model.to_empty(device=device)
     model.tie_weights()
     fill(model)
+    if lora is not None and lora.quantized:
+        model.quantize_base_()
     return parallelize_qwen2(model, dims, mesh, par, hooks)
 
 

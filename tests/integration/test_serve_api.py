@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx2 as httpx
 import openai
 import pytest
+import torch
 
 from duoka.data.tokenizer import load_tokenizer
 from duoka.hub import bundled_model_dir
@@ -273,6 +274,64 @@ def test_a_client_that_disconnects_frees_its_blocks(server):
         httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, headers=server.auth, timeout=0.3)
     wait_for(lambda: server.metrics()[aborted] == before[aborted] + 2)
     assert server.metrics()["duoka_serve_kv_cache_usage_perc"] == 0
+
+
+def test_serve_with_an_adapter_answers_with_the_merged_model_s_tokens(in_process, monkeypatch, tmp_path):
+    """`duoka serve --adapter DIR` as the CLI runs it, up to the engine in its own process (the
+    HTTP layer is the module server's, untouched by an adapter): the base that
+    adapter_config.json names, the adapter merged at load, served under the adapter's name;
+    greedy tokens equal to those of the model `duoka export --merge` writes. Under --tp it is
+    refused before any process starts."""
+    import duoka.serve.server as server_module
+    from duoka.models.lora import LoRAArgs
+    from duoka.models.qwen2.hf_adapter import load_hf_model
+    from duoka.models.qwen2.peft import save_adapter
+    from duoka.serve.engine import LLMEngine
+    from duoka.serve.params import SamplingParams
+    from duoka.train.export import merge_adapter_folder
+
+    base = bundled_model_dir()
+    lora = LoRAArgs(rank=4, alpha=8)
+    model, _ = load_hf_model(base, lora=lora)
+    gen = torch.Generator().manual_seed(0)
+    trained = {n: (torch.randn(p.shape, generator=gen) * 0.3 if ".lora_b." in n else p.detach())
+               for n, p in model.named_parameters() if p.requires_grad}  # B away from 0: a visible change
+    adapter = save_adapter(trained, lora, model.args, tmp_path / "adapter", str(base), [base / "tokenizer.json"])
+    merged = merge_adapter_folder(adapter, tmp_path / "merged", dtype="float32")
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    prompt = "Return the"
+
+    def tokens(engine) -> list[int]:
+        engine.add_request("r", engine.tokenizer.encode(prompt), greedy)
+        out = []
+        while engine.has_unfinished():
+            for delta in engine.step():
+                out += delta.new_token_ids
+        return out
+
+    served = {}
+
+    def serve(engine, **options):  # the CLI's server, with the engine it would serve
+        engine = engine()
+        try:
+            served.update(tokens=tokens(engine), name=options["served_model_name"], model=engine.model_name)
+        finally:
+            engine.shutdown()
+        return 0
+
+    monkeypatch.setattr(server_module, "serve", serve)
+    flags = ["--device", "cpu", "--num-kv-blocks", "24", "--max-model-len", "256"]
+    proc = in_process("serve", "--adapter", str(adapter), *flags)
+    assert proc.returncode == 0, proc.stderr
+    assert f"adapter {adapter} on {base}" in proc.stderr
+    assert served["name"] == served["model"] == str(adapter)
+    options = dict(device="cpu", num_kv_blocks=24, max_model_len=256, log=lambda message: None)
+    assert served["tokens"] == tokens(LLMEngine(merged, **options))
+    assert served["tokens"] != tokens(LLMEngine(base, **options))  # the adapter changed the model
+
+    proc = in_process("serve", "--adapter", str(adapter), "--tp", "2", *flags)
+    assert proc.returncode == 2 and "--adapter with --tp 2" in proc.stderr
+    assert f"duoka export {adapter} --merge --out DIR" in proc.stderr
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_0(server):

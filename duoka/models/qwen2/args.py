@@ -107,13 +107,17 @@ class ModelArgs:
         frozen = self.matmul_params() - (head if head_trains else 0)
         return 4 * frozen + 6 * trained + attention
 
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """A decoder block's linear layers by their Hugging Face names: (in, out) features."""
+        hd = self.resolved_head_dim
+        return {"q_proj": (self.dim, self.n_heads * hd), "k_proj": (self.dim, self.n_kv_heads * hd),
+                "v_proj": (self.dim, self.n_kv_heads * hd), "o_proj": (self.n_heads * hd, self.dim),
+                "gate_proj": (self.dim, self.intermediate_size), "up_proj": (self.dim, self.intermediate_size),
+                "down_proj": (self.intermediate_size, self.dim)}
+
     def adapter_params(self, lora: LoRAArgs) -> int:
         """Parameters of the LoRA adapters: rank x (in + out) per targeted layer."""
-        hd = self.resolved_head_dim
-        shapes = {"q_proj": (self.dim, self.n_heads * hd), "k_proj": (self.dim, self.n_kv_heads * hd),
-                  "v_proj": (self.dim, self.n_kv_heads * hd), "o_proj": (self.n_heads * hd, self.dim),
-                  "gate_proj": (self.dim, self.intermediate_size), "up_proj": (self.dim, self.intermediate_size),
-                  "down_proj": (self.intermediate_size, self.dim)}
+        shapes = self.linear_shapes()
         return self.n_layers * sum(lora.rank * sum(shapes[name]) for name in lora.targets)
 
 

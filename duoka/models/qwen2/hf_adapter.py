@@ -232,7 +232,8 @@ def load_hf_model(
 ) -> tuple[Qwen2, Path]:
     """Build the model (with `options`) on meta, allocate it once on `device` in `dtype`
     (default: the checkpoint's dtype on GPU, fp32 on CPU), then stream the weights in.
-    lora: fresh adapters on the loaded base (their init drawn from `seed`), all in `dtype`."""
+    lora: fresh adapters on the loaded base (their init drawn from `seed`), all in `dtype`;
+    under QLoRA (lora.quantize) the base's decoder linear weights then in NF4."""
     folder = resolve_model_dir(name_or_path)
     args = read_config(folder)
     if dtype is None:
@@ -243,6 +244,8 @@ def load_hf_model(
     load_hf_weights(model, folder)
     if lora is not None:
         model.init_weights(seed, adapters_only=True)
+        if lora.quantized:
+            model.quantize_base_()
     return model.eval(), folder
 
 

@@ -27,7 +27,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from duoka.models.compile import compiled
-from duoka.models.lora import LoRAArgs, LoRALinear, adapter_init, freeze_base, is_adapter, linear
+from duoka.models.lora import (
+    LoRAArgs,
+    LoRALinear,
+    adapter_init,
+    freeze_base,
+    is_adapter,
+    linear,
+    quantize_weight_,
+)
 from duoka.models.loss import chunked_cross_entropy
 from duoka.models.qwen2.args import DOCUMENT_MASKING, ModelArgs, ModelOptions
 from duoka.models.qwen2.paged import PagedBatch, causal_varlen, paged_attention
@@ -158,9 +166,11 @@ def fusable(*linears: nn.Module) -> bool:
     """Whether these linear layers, which read the same input, can run as one matmul: plain
     nn.Linear (or LoRALinear, whose base weights fuse and whose adapters run apart) on plain
     tensors. Under tensor parallelism the weights are DTensor shards (a concatenation along
-    the sharded dimension would need communication) and float8 layers run their own
-    matmuls, so both keep one matmul per layer."""
-    return all(type(layer) in (nn.Linear, LoRALinear) and not isinstance(layer.weight, DTensor) for layer in linears)
+    the sharded dimension would need communication), float8 layers run their own matmuls,
+    and NF4 weights (QLoRA) would be dequantised into one concatenation kept for backward,
+    so each keeps one matmul per layer."""
+    return all(type(layer) in (nn.Linear, LoRALinear) and type(layer.weight) in (torch.Tensor, nn.Parameter)
+               for layer in linears)
 
 
 def fused_linear(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
@@ -299,6 +309,11 @@ class TransformerBlock(nn.Module):
         x = x + self.attention(self.attention_norm(x), rope=rope, mask=mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
+    def base_linears(self) -> tuple[nn.Linear, ...]:
+        """The block's seven projections (q, k, v, o, gate, up, down): what QLoRA quantizes."""
+        attention, mlp = self.attention, self.feed_forward
+        return attention.wq, attention.wk, attention.wv, attention.wo, mlp.w1, mlp.w3, mlp.w2
+
 
 @dataclass(frozen=True)
 class StageSlice:
@@ -382,6 +397,18 @@ class Qwen2(nn.Module):
             else:
                 full = torch.empty(param.shape, device=local.device, dtype=torch.float32).normal_(0.0, std, generator=gen)
             write_full_(param, full)
+
+    def quantize_base_(self) -> None:
+        """QLoRA (LoRAArgs.quantize): every decoder block's linear weights, once loaded or
+        initialised, replaced layer by layer by their NF4 form (duoka.models.lora), each
+        bf16 weight released as its replacement is set. The adapters, biases, norms, the
+        embedding and the head keep their dtype. Before any parallel wrapper: FSDP2 then
+        shards the NF4 tensors as torchao lays them out."""
+        if self.lora is None or not self.lora.quantized:
+            raise ValueError("quantize_base_ is for a model built with LoRAArgs(quantize=...)")
+        for block in self.layers.values():
+            for layer in block.base_linears():
+                quantize_weight_(layer)
 
     def forward(
         self,

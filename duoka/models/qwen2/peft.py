@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
 
 from duoka.errors import DuokaError
-from duoka.models.lora import LoRAArgs, is_adapter
+from duoka.models.lora import LoRAArgs, is_adapter, nf4_round_trip
 from duoka.models.qwen2.args import ModelArgs
 from duoka.models.qwen2.hf_adapter import (
     checkpoint_sources,
@@ -191,6 +191,19 @@ def read_adapter(folder: str | Path) -> Adapter:
         raise DuokaError(f"{weights}: {unpaired[0]} has no partner (lora_A and lora_B come in pairs)",
                          "the adapter file is damaged; write it again")
     return Adapter(folder, scaling, tensors, cfg.get("base_model_name_or_path"))
+
+
+@torch.no_grad()
+def dequantized_base_(model: Qwen2) -> Qwen2:
+    """A loaded plain base as a QLoRA run computes with it: each decoder linear weight
+    replaced by its NF4 form dequantised (duoka.models.lora.nf4_round_trip). Merging a QLoRA
+    run's adapter into this gives the function the run trained."""
+    if model.lora is not None or model.options.packed_projections:
+        raise ValueError("dequantized_base_ takes a plain model in the training layout")
+    for block in model.layers.values():
+        for layer in block.base_linears():
+            layer.weight.copy_(nf4_round_trip(layer.weight))
+    return model
 
 
 def _rows(model: Qwen2) -> dict[str, tuple[str, int, int]]:
