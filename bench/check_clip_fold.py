@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from duoka.train.optim import clip_to_norm
+from duoka.train.optimizers import clip_to_norm
 
 
 def run(mode: str, device: torch.device, mesh) -> torch.Tensor:

@@ -328,6 +328,25 @@ def add_plan_parser(sub) -> None:
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048, or the model's "
                    "context when shorter)")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (default 8 per GPU)")
+    p.add_argument("--micro-batch", type=int, default=None, help="plan only with this micro-batch (default: every "
+                   "power of two dividing the per-GPU batch)")
+    p.add_argument("--activation-checkpointing", choices=("none", "full"), default=None,
+                   help="plan only with (full) or without (none) checkpointing (default: both)")
+    from dataclasses import fields
+
+    from duoka.config import OptimizerConfig  # not duoka.plan.optimizers: `duoka --help` loads no torch
+
+    choices = {f.name: f.metadata["choices"] for f in fields(OptimizerConfig)}
+    p.add_argument("--optimizer", choices=choices["name"], default=None,
+                   help="optimizer.name to plan with (default adamw; when AdamW fits nowhere, the plan proposes one "
+                        "that fits)")
+    p.add_argument("--offload", choices=choices["offload"], default=None,
+                   help="optimizer.offload: cpu puts AdamW's state and step on the host (one GPU; default none)")
+    p.add_argument("--sgd-momentum", type=float, default=None,
+                   help="optimizer.sgd_momentum with --optimizer sgd (0: no momentum buffer; default 0.9)")
+    p.add_argument("--host-memory", type=float, default=None, metavar="GiB",
+                   help="host RAM per GPU, the limit of an offloaded optimizer (default: this machine's RAM per GPU "
+                        "when its GPUs are planned for, else unchecked)")
     p.add_argument("--interconnect", choices=("nvlink", "pcie", "ib"), default=None,
                    help="link between the GPUs of one node (default: detected, else nvlink); ib: none but the NIC")
     from duoka.plan.network import DEFAULT_NETWORK, NETWORKS
@@ -366,9 +385,13 @@ def run_plan(a: argparse.Namespace) -> int:
     if a.family and not a.scaling:
         raise DuokaError("--family picks the layouts of a --scaling table", "add --scaling, or drop --family")
     if a.scaling:
+        if a.micro_batch is not None or a.activation_checkpointing is not None:
+            raise DuokaError("--micro-batch and --activation-checkpointing pin one plan's choice, and --scaling "
+                             "picks them at every size", "drop them, or drop --scaling")
         return run_plan_scaling(a, model, links)
-    hw = detect_hardware(a.gpus, a.gpu_memory, a.nodes or 1, a.interconnect, **links)
-    plan = make_plan(model, hw, a.seq, a.global_batch)
+    hw = detect_hardware(a.gpus, a.gpu_memory, a.nodes or 1, a.interconnect, host_memory_gib=a.host_memory, **links)
+    ac = None if a.activation_checkpointing is None else a.activation_checkpointing == "full"
+    plan = make_plan(model, hw, a.seq, a.global_batch, plan_optimizer(a), a.micro_batch, ac)
     if a.out:
         out = Path(a.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -384,9 +407,22 @@ def run_plan(a: argparse.Namespace) -> int:
     return 0
 
 
+def plan_optimizer(a: argparse.Namespace):
+    """The optimizer `duoka plan` was asked to plan with; None lets it choose."""
+    from duoka.plan.optimizers import OptimizerChoice
+
+    if a.sgd_momentum is not None and a.optimizer != "sgd":
+        raise DuokaError("--sgd-momentum is the momentum of --optimizer sgd", "add --optimizer sgd, or drop it")
+    if a.optimizer is None and a.offload is None:
+        return None
+    momentum = {} if a.sgd_momentum is None else {"sgd_momentum": a.sgd_momentum}
+    return OptimizerChoice(a.optimizer or "adamw", a.offload or "none", **momentum)
+
+
 def run_plan_scaling(a: argparse.Namespace, model, links: dict) -> int:
     import json
 
+    from duoka.plan.optimizers import ADAMW
     from duoka.plan.planner import detect_hardware
     from duoka.plan.scaling import DEFAULT_SCALING_GPUS, plan_scaling, render_scaling, scaling_hardware
 
@@ -395,7 +431,8 @@ def run_plan_scaling(a: argparse.Namespace, model, links: dict) -> int:
                          "drop --scaling to write the config for --gpus, or drop --out")
     gpus = a.gpus or DEFAULT_SCALING_GPUS
     hw = scaling_hardware(detect_hardware(gpus, a.gpu_memory, 1, a.interconnect, **links), gpus, a.nodes)
-    result = plan_scaling(model, hw, a.seq, a.global_batch, a.scaling or "weak", a.family)
+    result = plan_scaling(model, hw, a.seq, a.global_batch, a.scaling or "weak", a.family,
+                          optimizer=plan_optimizer(a) or ADAMW)
     if a.json:
         print(json.dumps(result.to_dict(), indent=1))
     else:

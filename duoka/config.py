@@ -120,6 +120,20 @@ class TrainingConfig:
 
 @dataclass
 class OptimizerConfig:
+    name: str = opt("adamw", "The optimizer (docs/training.md, Optimizers). adamw: PyTorch's AdamW (fused on CUDA), "
+                             "8 bytes of state per trained parameter. adamw8bit, adamw4bit: AdamW with block-wise "
+                             "quantized moments (torchao; 2 and 1 bytes per parameter, Dettmers et al. "
+                             "arXiv:2110.02861, Li et al. arXiv:2309.01507). adafactor: factored second moment, no "
+                             "first moment (PyTorch's Adafactor; its lr caps a step relative to each parameter's "
+                             "RMS). muon: Muon (PyTorch's; momentum orthogonalised by Newton-Schulz, Jordan et al. "
+                             "2024) on the decoder blocks' 2-D matrices, 4 bytes per parameter, with AdamW for "
+                             "embeddings, head, norms and biases. sgd: SGD with momentum, 4 bytes per parameter.",
+                     choices=("adamw", "adamw8bit", "adamw4bit", "adafactor", "muon", "sgd"))
+    offload: str = opt("none", "cpu: AdamW's state and step in host memory (torchao's CPUOffloadOptimizer), each "
+                               "gradient copied to the host as backward produces it; frees the 8 bytes per "
+                               "parameter of AdamW state (and its step) from the GPU for host memory (16 bytes per "
+                               "parameter: master copy, gradient, two moments) and PCIe traffic. One GPU and "
+                               "optimizer.name=adamw only.", choices=("none", "cpu"))
     lr: float = opt(3e-3, "Peak learning rate at reference_batch_size (before lr_scaling).", min=0.0)
     lr_scaling: str = opt("none", "Scale lr with the global batch: linear (lr * B/B_ref, Goyal et al. 2017) or sqrt "
                                   "(lr * sqrt(B/B_ref), for Adam-type optimisers, Malladi et al. 2022).",
@@ -131,11 +145,21 @@ class OptimizerConfig:
     warmup_steps: int = opt(10, "Linear warmup steps from 0 to the peak lr.", min=0)
     min_lr_ratio: float = opt(0.1, "Final lr as a fraction of the peak.", min=0.0, max=1.0)
     decay_fraction: float = opt(0.2, "wsd only: fraction of the steps spent decaying.", min=0.0, max=1.0)
-    weight_decay: float = opt(0.1, "AdamW decoupled weight decay, applied to parameters with 2 or more dimensions "
-                                   "only (not to norms and biases).", min=0.0)
-    beta1: float = opt(0.9, "AdamW beta1.", min=0.0, max=1.0)
-    beta2: float = opt(0.95, "AdamW beta2.", min=0.0, max=1.0)
-    eps: float = opt(1e-8, "AdamW epsilon.", min=0.0)
+    weight_decay: float = opt(0.1, "Weight decay, applied to parameters with 2 or more dimensions only (not to norms "
+                                   "and biases): decoupled (AdamW, its 8- and 4-bit forms, adafactor, muon), or an L2 "
+                                   "term added to the gradient (sgd).", min=0.0)
+    beta1: float = opt(0.9, "AdamW beta1 (also adamw8bit, adamw4bit and muon's AdamW part).", min=0.0, max=1.0)
+    beta2: float = opt(0.95, "AdamW beta2 (also adamw8bit, adamw4bit and muon's AdamW part).", min=0.0, max=1.0)
+    eps: float = opt(1e-8, "AdamW epsilon (also adamw8bit, adamw4bit and muon's AdamW part).", min=0.0)
+    sgd_momentum: float = opt(0.9, "sgd: momentum factor (0: plain SGD).", min=0.0, max=1.0)
+    muon_momentum: float = opt(0.95, "muon: momentum factor of the matrices' update (Muon's authors use 0.95).",
+                               min=0.0, max=1.0)
+    nesterov: bool = opt(True, "sgd and muon: Nesterov momentum (Muon's default; for sgd it needs sgd_momentum > 0).")
+    muon_ns_steps: int = opt(5, "muon: Newton-Schulz iterations that orthogonalise each matrix's update (5, as "
+                                "Muon's authors tuned its coefficients for).", min=1, max=99)
+    muon_adamw_lr: float = opt(0.0, "muon: peak lr of the AdamW part (embeddings, head, norms, biases), following the "
+                                    "same schedule; 0: the same as lr. Muon's update is scaled to AdamW's RMS "
+                                    "(Liu et al., arXiv:2502.16982), so one lr usually suits both.", min=0.0)
 
 
 @dataclass

@@ -171,6 +171,8 @@ def launch_training(
     from duoka.train.checkpoint import find_resume_checkpoint, read_train_state
     from duoka.train.compiling import failing_ranks
     from duoka.train.optim import pipeline_microbatches, plan_batch
+    from duoka.train.optimizers import check_optimizer
+    from duoka.train.optimizers import check_resume as check_optimizer_resume
 
     # Everything a worker would otherwise discover late, resolved once.
     args, model_dir, tokenizer_dir = resolve_model(cfg)
@@ -180,6 +182,7 @@ def launch_training(
     check_float8(cfg.training.float8, dims.tp)
     lora = adapters.lora_args(cfg)
     adapters.check_layout(cfg, dims, args)
+    check_optimizer(cfg, dims, on_gpu=bool(gpu_list), lora=lora is not None)
     if lora is not None and model_dir is None:
         log("duoka: warning: LoRA on a randomly initialised base (model.path is empty): right for measurements, "
             "but the adapter means nothing outside this run; set model.path to fine-tune a real model")
@@ -262,6 +265,7 @@ def launch_training(
         base = adapters.base_identity(model_dir, args, cfg.training.seed) if lora is not None else None
         if resume_from is not None:
             adapters.check_resume(resume_from, read_train_state(resume_from), lora, base)
+            check_optimizer_resume(resume_from, read_train_state(resume_from), cfg)
             resume_step = read_train_state(resume_from)["step"]
             if resume_step > cfg.training.steps:
                 raise DuokaError(f"{resume_from} is at step {resume_step}, past training.steps={cfg.training.steps}",

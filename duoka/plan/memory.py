@@ -6,8 +6,9 @@ training step: tensors PyTorch's caching allocator hands out. Not in it, and rep
 separately as `reserved` (what nvidia-smi would show): the allocator's cached but unused
 blocks (fragmentation), the CUDA context with its kernels, and NCCL's own buffers.
 
-Mixed precision as the trainer runs it: fp32 master weights, fp32 gradients and two fp32
-AdamW moments, i.e. 16 bytes per parameter of state, with bf16 compute. Two regimes:
+Mixed precision as the trainer runs it: fp32 master weights, fp32 gradients and the
+optimizer's state (AdamW, the default: two fp32 moments, i.e. 16 bytes per parameter in all;
+the other optimizers' state: duoka.plan.optimizers), with bf16 compute. Two regimes:
 - "bf16": FSDP2 casts the gathered parameters to bf16, so the whole forward (residual
   stream included) is bf16. Used for dp_mode=fsdp and for every tp/pp layout, which the
   trainer always runs through FSDP2.
@@ -22,7 +23,10 @@ The peak is the largest of three moments of the step, each summed from its parts
 - "block backward": the first decoder block's backward, with the loss's buffers freed but
   (under activation checkpointing) one block recomputed;
 - "end of backward": all gradients exist, activations are gone, the last gradient
-  reduction is in flight (the peak of large models under activation checkpointing).
+  reduction is in flight (the peak of large models under activation checkpointing);
+- "optimizer step": all gradients and what the optimizer's step allocates beyond its state
+  (nothing for fused AdamW; torchao's low-bit AdamW, Adafactor and Muon work tensor by tensor
+  with fp32 temporaries of the tensor being updated).
 
 Activations are counted from the tensors each op of duoka's Qwen2 block saves for
 backward (flash attention, so no seq x seq scores), the method of Korthikanti et al. 2022,
@@ -46,6 +50,7 @@ from dataclasses import asdict, dataclass, field
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import ModelArgs
 from duoka.models.qwen2.stages import stage_layer_counts
+from duoka.plan.optimizers import ADAMW, OptimizerChoice, rank_footprint
 
 GIB = 2**30
 
@@ -59,9 +64,9 @@ CUDA_CONTEXT_BYTES = 0.6 * GIB
 # NCCL allocates its channel buffers with cudaMalloc, outside the allocator: a few hundred
 # MiB per process for the collectives of a training step (more with many communicators).
 NCCL_BYTES = 0.5 * GIB
-# Bytes per parameter of training state: fp32 weights (4), fp32 gradients (4), AdamW
-# exp_avg and exp_avg_sq (4 + 4).
-WEIGHT_BYTES, GRAD_BYTES, ADAM_BYTES = 4, 4, 8
+# Bytes per parameter of training state: fp32 weights (4) and fp32 gradients (4); the
+# optimizer's state by duoka.plan.optimizers (AdamW: exp_avg and exp_avg_sq, 4 + 4).
+WEIGHT_BYTES, GRAD_BYTES = 4, 4
 # Cross-entropy on the logits, per vocabulary entry per token, at its peak (the start of
 # its backward): the fp32 log-probabilities log_softmax saved (4), their gradient from the
 # NLL backward (4, dense) and the gradient of the logits it produces (4). The bf16 logits
@@ -294,20 +299,22 @@ class MemoryBreakdown:
 
     parameters: float  # fp32 master weights held by this rank (sharded or replicated)
     gradients: float  # fp32 gradients present at the peak (sharded, or unsharded while accumulating)
-    optimizer: float  # AdamW's two fp32 moments
+    optimizer: float  # the optimizer's state on the GPU (AdamW: two fp32 moments)
     gathered_parameters: float  # bf16 weights: FSDP all-gather buffers and unsharded root, or autocast's casts
     activations: float  # tensors saved for backward (and a recomputed block under checkpointing)
     logits: float  # cross-entropy buffers on the rank that holds the output head
     communication: float  # DDP gradient buckets, FSDP reduce-scatter buffers, pipeline receive buffers
+    optimizer_step: float  # what the optimizer's step allocates beyond its state (at that moment only)
     phase: str  # the moment of the step the peak falls on
     pp_rank: int  # the pipeline rank this breakdown is for (0 without pp)
     phases: dict[str, float] = field(default_factory=dict)  # total at each moment, for this rank
     world_size: int = 1
+    host: float = 0.0  # host memory of this rank: an offloaded optimizer's state and pinned copies (not in allocated)
 
     @property
     def allocated(self) -> float:
         return (self.parameters + self.gradients + self.optimizer + self.gathered_parameters + self.activations
-                + self.logits + self.communication)
+                + self.logits + self.communication + self.optimizer_step)
 
     @property
     def reserved(self) -> float:
@@ -317,23 +324,26 @@ class MemoryBreakdown:
         return self.allocated * (1 + FRAGMENTATION) + CUDA_CONTEXT_BYTES + nccl
 
     def parts(self) -> dict[str, float]:
-        return {k: v for k, v in asdict(self).items() if isinstance(v, float)}
+        """The GPU parts that sum to `allocated`."""
+        return {k: v for k, v in asdict(self).items() if isinstance(v, float) and k != "host"}
 
     def to_dict(self) -> dict:
         return {**{k: round(v / GIB, 3) for k, v in self.parts().items()}, "allocated": round(self.allocated / GIB, 3),
-                "reserved": round(self.reserved / GIB, 3), "phase": self.phase, "pp_rank": self.pp_rank,
-                "phases": {k: round(v / GIB, 3) for k, v in self.phases.items()}, "unit": "GiB"}
+                "reserved": round(self.reserved / GIB, 3), "host": round(self.host / GIB, 3), "phase": self.phase,
+                "pp_rank": self.pp_rank, "phases": {k: round(v / GIB, 3) for k, v in self.phases.items()},
+                "unit": "GiB"}
 
 
 def estimate_memory(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, activation_checkpointing: bool,
-                    accumulation: int = 1, bf16: bool = True, pp_rank: int | None = None) -> MemoryBreakdown:
+                    accumulation: int = 1, bf16: bool = True, pp_rank: int | None = None,
+                    optimizer: OptimizerChoice = ADAMW) -> MemoryBreakdown:
     """Peak memory per GPU of one training step.
 
     accumulation: micro-batches per optimizer step on each rank (under pp, the pipeline's
     micro-batches). It matters: while gradients accumulate, DDP holds them all, and FSDP2
     with gradient sync off (the trainer's no-sync accumulation, and the pipeline schedules')
     keeps them unsharded in fp32. pp_rank: the pipeline rank to estimate; None: the one
-    with the largest peak."""
+    with the largest peak. optimizer: optimizer.name / optimizer.offload (AdamW by default)."""
     if micro_batch < 1 or seq_len < 1 or accumulation < 1:
         raise DuokaError("micro_batch, seq_len and accumulation must be >= 1")
     regime = regime_of(layout, bf16)
@@ -341,17 +351,18 @@ def estimate_memory(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: 
         if not 0 <= pp_rank < layout.pp:
             raise DuokaError(f"pp_rank={pp_rank} is not a pipeline rank of pp={layout.pp}")
         return _rank_memory(args, layout, pp_rank, micro_batch, seq_len, activation_checkpointing, accumulation,
-                            regime)
+                            regime, optimizer)
     best = None
     for r in range(layout.pp):
-        b = _rank_memory(args, layout, r, micro_batch, seq_len, activation_checkpointing, accumulation, regime)
+        b = _rank_memory(args, layout, r, micro_batch, seq_len, activation_checkpointing, accumulation, regime,
+                         optimizer)
         if best is None or b.allocated > best.allocated:
             best = b
     return best
 
 
 def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int, seq_len: int, ac: bool,
-                 accumulation: int, regime: str) -> MemoryBreakdown:
+                 accumulation: int, regime: str, optimizer: OptimizerChoice) -> MemoryBreakdown:
     tp, pp, v = layout.tp, layout.pp, layout.stages_per_rank
     tokens = micro_batch * seq_len
     n_stages = pp * v
@@ -382,7 +393,7 @@ def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int
     layers_per_forward = layers / v
 
     parameters = WEIGHT_BYTES * local / shard
-    optimizer = ADAM_BYTES * local / shard
+    opt = rank_footprint(args, layers, has_embedding, has_head, tp, optimizer, shard)
 
     # ---- gradients and gathered weights, per moment
     if layout.fsdp:
@@ -438,7 +449,7 @@ def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int
     # gradient from the next, per stage the rank holds.
     p2p = 2 * 2 * args.dim * tokens * v if pp > 1 else 0.0
 
-    persistent = parameters + optimizer
+    persistent = parameters + opt.gpu_state
     moments = {}
     if accumulating and flight >= accumulation:
         # A pipeline rank that runs every micro-batch's forward before its first backward
@@ -458,11 +469,17 @@ def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int
                                  "communication": buckets + p2p + comm_block}
     moments["end of backward"] = {"gradients": grads_end, "gathered_parameters": gathered_end, "activations": 0.0,
                                   "logits": 0.0, "communication": buckets + comm_end}
+    # The step runs after the last reduction: every gradient, sharded, and DDP's buckets (kept
+    # between steps). Ties with the end of backward go to it (inserted first): fused AdamW
+    # allocates nothing more.
+    moments["optimizer step"] = {"gradients": grads_end, "gathered_parameters": 0.0, "activations": 0.0,
+                                 "logits": 0.0, "communication": buckets, "optimizer_step": opt.step_transient}
     totals = {name: persistent + sum(parts.values()) for name, parts in moments.items()}
     phase = max(totals, key=totals.get)
-    return MemoryBreakdown(parameters=float(parameters), optimizer=float(optimizer),
-                           **{k: float(x) for k, x in moments[phase].items()}, phase=phase, pp_rank=pp_rank,
-                           phases=totals, world_size=layout.world_size)
+    parts = {"optimizer_step": 0.0, **moments[phase]}
+    return MemoryBreakdown(parameters=float(parameters), optimizer=float(opt.gpu_state),
+                           **{k: float(x) for k, x in parts.items()}, phase=phase, pp_rank=pp_rank,
+                           phases=totals, world_size=layout.world_size, host=float(opt.host))
 
 
 # ---------------------------------------------------------------- used by the trainer
@@ -470,24 +487,27 @@ def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int
 
 def training_bytes(args: ModelArgs, micro_batch: int, seq_len: int, dp_shard: int, activation_checkpointing: bool,
                    bf16: bool = True, *, tp: int = 1, pp: int = 1, dp_mode: str | None = None, dp_replicate: int = 1,
-                   accumulation: int = 1, pp_schedule: str = "1f1b", pp_stages_per_rank: int | None = None) -> int:
+                   accumulation: int = 1, pp_schedule: str = "1f1b", pp_stages_per_rank: int | None = None,
+                   optimizer: OptimizerChoice = ADAMW) -> int:
     """Estimated peak allocated bytes per GPU (see estimate_memory). dp_mode defaults to
     fsdp when dp_shard > 1 and to ddp otherwise; pp_stages_per_rank to 2 for the
-    interleaved schedules."""
+    interleaved schedules; optimizer to AdamW (optimizer_from_config(cfg.optimizer) gives
+    a run's)."""
     mode = dp_mode or ("fsdp" if dp_shard > 1 else "ddp")
     if pp_stages_per_rank is None:
         pp_stages_per_rank = 2 if pp_schedule in ("interleaved_1f1b", "zero_bubble") else 1
     layout = Layout(mode, dp_replicate, dp_shard if mode == "fsdp" else 1, tp, pp, pp_schedule,
                     pp_stages_per_rank if pp > 1 else 1)
     return int(estimate_memory(args, layout, micro_batch, seq_len, activation_checkpointing, accumulation,
-                               bf16).allocated)
+                               bf16, optimizer=optimizer).allocated)
 
 
 def largest_fitting_micro_batch(args: ModelArgs, per_rank: int, seq_len: int, dp_shard: int,
                                 activation_checkpointing: bool, free_bytes: int, headroom: float = 0.85,
                                 **layout) -> int:
     """The largest divisor of the per-rank batch whose estimate fits in headroom x free memory.
-    layout: the keyword arguments of training_bytes (tp, pp, dp_mode, dp_replicate, ...).
+    layout: the keyword arguments of training_bytes (tp, pp, dp_mode, dp_replicate, ...,
+    optimizer).
     Accumulation follows from the divisor (per_rank / micro-batch)."""
     best = 1
     for mb in range(1, per_rank + 1):
@@ -500,9 +520,10 @@ def largest_fitting_micro_batch(args: ModelArgs, per_rank: int, seq_len: int, dp
     return best
 
 
-def state_bytes(args: ModelArgs) -> float:
-    """fp32 weights, gradients and AdamW state of the whole model: a floor on the memory of
-    all GPUs together, whatever the layout."""
-    return (WEIGHT_BYTES + GRAD_BYTES + ADAM_BYTES) * args.num_params()
+def state_bytes(args: ModelArgs, optimizer: OptimizerChoice = ADAMW) -> float:
+    """fp32 weights, gradients and the optimizer's GPU state of the whole model: a floor on the
+    memory of all GPUs together, whatever the layout."""
+    opt = rank_footprint(args, args.n_layers, True, True, 1, optimizer, 1)
+    return (WEIGHT_BYTES + GRAD_BYTES) * args.num_params() + opt.gpu_state
 
 

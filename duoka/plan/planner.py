@@ -39,8 +39,14 @@ absolute figure assumes a well-fed GPU and is no benchmark):
   per rank, i.e. the bubble fraction (pp-1)/(v·m + pp-1) of Narayanan et al. 2021
   (arXiv:2104.04473); plus the stage-to-stage sends (1/tp of the activation per rank under
   sequence parallelism), on the critical path;
-- optimizer: fused AdamW streams OPTIMIZER_BYTES_PER_PARAM bytes per local parameter
-  through HBM.
+- optimizer: its step's traffic through HBM (fused AdamW: 32 bytes per local parameter),
+  Muon's Newton-Schulz matmuls, the per-tensor host calls of the for-loop and compiled
+  optimizers, and for AdamW offloaded to the host the host's AdamW and the PCIe copies
+  (duoka.plan.optimizers: step_seconds, with its constants and their sources).
+
+Optimizers: the plan is for optimizer.name / optimizer.offload as asked (AdamW by default).
+When nothing fits with AdamW and no optimizer was asked for, it tries the others in
+PROPOSAL_ORDER and plans with the first that fits, listing every one that does.
 Ignored: kernel contention between NCCL and compute, CPU launch overhead of tiny models,
 data loading, stragglers and failures (which grow with the job: see CHECKED_GPUS).
 duoka.plan.scaling tabulates this model from one node to the whole job; duoka.plan.published
@@ -72,6 +78,7 @@ from duoka.plan.memory import (
     state_bytes,
 )
 from duoka.plan.network import DEFAULT_NETWORK, INTERCONNECTS, Fabric, make_fabric, preset
+from duoka.plan.optimizers import ADAMW, OptimizerChoice, rank_footprint, step_seconds
 
 # ---- hardware constants (the links between GPUs: duoka.plan.network)
 DEFAULT_PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16, when the GPU is not known
@@ -96,11 +103,21 @@ DDP_BUCKET_BYTES = 25 * 2**20
 # The all-reduces DDP launches: one per bucket of parallel.ddp_bucket_mb (default 1000 MB);
 # their count sets the latency paid, which matters across many nodes.
 DDP_LAUNCH_BUCKET_BYTES = 1000 * 2**20
-OPTIMIZER_BYTES_PER_PARAM = 32  # fused AdamW: read w, g, m, v (16), write w, m, v (12), grad norm (4)
 AC_RECOMPUTE = 4 / 3  # full checkpointing runs each block's forward (1/3 of its FLOPs) again
 
 # ---- ranking
 USABLE_FRACTION = 0.9  # a plan's reserved estimate must stay under this share of GPU memory
+# An offloaded optimizer's host memory must stay under this share of the host's memory per
+# GPU: the rest is the training process itself (torch, CUDA's host allocations, the data
+# loader's batches) and the page cache of the token shards.
+HOST_USABLE_FRACTION = 0.8
+# Optimizers tried, in this order, when AdamW does not fit and none was asked for: the same
+# update as AdamW with quantized state first (8-bit state tracks fp32 AdamW closely: Dettmers
+# et al. 2022, arXiv:2110.02861; 4-bit loses a little more: Li et al. 2023, arXiv:2309.01507),
+# then exact AdamW with its state and step on the host (slow: the host's step), then the
+# optimizers that change the update (compare their loss curve before switching).
+PROPOSAL_ORDER = (OptimizerChoice("adamw8bit"), OptimizerChoice("adamw4bit"), OptimizerChoice("adamw", "cpu"),
+                  OptimizerChoice("adafactor"), OptimizerChoice("muon"), OptimizerChoice("sgd"))
 TIE = 0.03  # step times within 3% of the fastest count as a tie: the simplest layout wins
 MAX_GPUS_SEARCHED = 4096
 # Up to a thousand GPUs the estimate has been set beside published runs (docs/plan.md);
@@ -143,6 +160,7 @@ class Hardware:
     inter_gbps: float | None = None  # --inter-bw: NIC line rate per GPU across nodes (the preset's otherwise)
     inter_step_s: float | None = None  # --inter-latency-us: one ring step across nodes
     kernels: Kernels = Kernels()
+    host_memory_gib: float | None = None  # --host-memory: RAM per GPU (an offloaded optimizer's limit); None: unchecked
 
     def __post_init__(self):
         if self.gpus < 1 or self.nodes < 1:
@@ -157,6 +175,8 @@ class Hardware:
                              f"plan at most {MAX_PLAN_GPUS:,} GPUs, e.g. one pipeline or replica group of the job")
         if self.gpu_memory_gib <= 0:
             raise DuokaError(f"--gpu-memory {self.gpu_memory_gib} must be positive (GiB per GPU)")
+        if self.host_memory_gib is not None and self.host_memory_gib <= 0:
+            raise DuokaError(f"--host-memory {self.host_memory_gib} must be positive (GiB of RAM per GPU)")
         if self.interconnect not in INTERCONNECTS:
             raise DuokaError(f"--interconnect {self.interconnect} is unknown", "use nvlink, pcie or ib")
         preset(self.network)  # names the presets when unknown
@@ -172,6 +192,10 @@ class Hardware:
     @property
     def usable_bytes(self) -> float:
         return USABLE_FRACTION * self.gpu_memory_gib * GIB
+
+    @property
+    def usable_host_bytes(self) -> float:
+        return math.inf if self.host_memory_gib is None else HOST_USABLE_FRACTION * self.host_memory_gib * GIB
 
     @cached_property
     def fabric(self) -> Fabric:
@@ -230,15 +254,20 @@ def _hbm_bandwidth(name: str) -> float:
     return next((bw for key, bw in HBM_BYTES_PER_S.items() if key in upper), DEFAULT_HBM_BYTES_PER_S)
 
 
+def _host_memory_gib() -> float:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+
+
 def detect_hardware(gpus: int | None = None, gpu_memory_gib: float | None = None, nodes: int = 1,
                     interconnect: str | None = None, local_gpus=None, network: str | None = None,
                     intra_bytes_per_s: float | None = None, inter_gbps: float | None = None,
-                    inter_step_s: float | None = None) -> Hardware:
+                    inter_step_s: float | None = None, host_memory_gib: float | None = None) -> Hardware:
     """The machine to plan for: what the flags say, the rest read from this machine's GPUs
     (NVML, honouring CUDA_VISIBLE_DEVICES). `local_gpus` (a list of GpuReading) replaces
     the NVML reading, for tests. --gpus counts every GPU of the job; without it, this
     node's GPUs times --nodes. The network between nodes is never detected: DEFAULT_NETWORK
-    unless given (the plan says which it assumed)."""
+    unless given (the plan says which it assumed). Host memory per GPU: --host-memory, else
+    this machine's RAM over its GPUs when the GPUs are this machine's, else unchecked."""
     need_local = gpus is None or gpu_memory_gib is None
     local = local_gpus if local_gpus is not None else (_local_gpus() if need_local else [])
     detected = []
@@ -259,6 +288,9 @@ def detect_hardware(gpus: int | None = None, gpu_memory_gib: float | None = None
         gpu_memory_gib = round(min(g.memory_total_mib for g in local) / 1024, 1)
         detected.append("gpu_memory")
     name = local[0].name if local else ""
+    if host_memory_gib is None and "gpus" in detected and local_gpus is None:
+        host_memory_gib = round(_host_memory_gib() / len(local), 1)
+        detected.append("host_memory")
     if interconnect is None:
         if local_gpus is None and local:
             interconnect = "nvlink" if _nvlink_active() else "pcie"
@@ -267,7 +299,8 @@ def detect_hardware(gpus: int | None = None, gpu_memory_gib: float | None = None
             interconnect = "nvlink"  # assumed: the usual data-centre node (stated in the output)
     return Hardware(gpus, nodes, float(gpu_memory_gib), interconnect, name,
                     peak_flops(name) or DEFAULT_PEAK_FLOPS, _hbm_bandwidth(name), tuple(detected),
-                    network or DEFAULT_NETWORK, intra_bytes_per_s, inter_gbps, inter_step_s)
+                    network or DEFAULT_NETWORK, intra_bytes_per_s, inter_gbps, inter_step_s,
+                    host_memory_gib=host_memory_gib)
 
 
 @dataclass(frozen=True)
@@ -436,7 +469,7 @@ def _exposed(traffic: float, window: float, units: int) -> float:
 
 
 def estimate_step_time(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, global_batch: int,
-                       ac: bool, hw: Hardware) -> StepTime:
+                       ac: bool, hw: Hardware, optimizer: OptimizerChoice = ADAMW) -> StepTime:
     """Seconds per optimizer step on one GPU, by the cost model in the module docstring."""
     tp, pp, v = layout.tp, layout.pp, layout.stages_per_rank
     kern, fab = hw.kernels, hw.fabric
@@ -520,13 +553,18 @@ def estimate_step_time(args: ModelArgs, layout: Layout, micro_batch: int, seq_le
         # each rank sends its 1/tp of the sequence (sequence parallel: blocks output Shard(1))
         p2p = m * v * 2 * fab.send_s(2 * tokens_mb * args.dim / tp, crosses_nodes(layout, "pp", gpn))
     shard = layout.dp_shard if layout.fsdp else 1
-    optimizer = OPTIMIZER_BYTES_PER_PARAM * local / shard / hw.hbm_bytes_per_s
-    total = pipelined + exposed + p2p + optimizer
+    # The same tensors as `local`: the busiest rank's layers, the embedding too without pp.
+    opt = rank_footprint(args, rank_layers, pp == 1, True, tp, optimizer, shard)
+    optimizer_s = step_seconds(opt, hw.hbm_bytes_per_s, hw.peak_flops * kern.gemm_efficiency, bwd_mb)
+    # Muon gathers each sharded matrix's fp32 update whole, over the shards and the tp ranks.
+    optimizer_s += sum(count * (fab.all_gather_s(nbytes / tp, shard, stride["dp_shard"])
+                                + fab.all_gather_s(nbytes, tp)) for nbytes, count in opt.gathered)
+    total = pipelined + exposed + p2p + optimizer_s
     tokens = global_batch * seq_len
     mfu = (model_flops * tokens / total) / (hw.gpus * hw.peak_flops)
     return StepTime(compute_s=compute_mb * (m + (pp - 1) / v), tensor_parallel_s=tp_mb * m,
                     fsdp_overhead_s=fsdp_mb * m, data_parallel_s=dp_s, exposed_dp_s=exposed,
-                    pipeline_bubble=bubble, pipeline_p2p_s=p2p, optimizer_s=optimizer, total_s=total,
+                    pipeline_bubble=bubble, pipeline_p2p_s=p2p, optimizer_s=optimizer_s, total_s=total,
                     tokens_per_s_per_gpu=tokens / total / hw.gpus, mfu=mfu,
                     bubble_s=rank_mb * (pp - 1) / v, dp_latency_s=dp_lat, dp_across_nodes=across)
 
@@ -543,14 +581,16 @@ class Candidate:
     memory: MemoryBreakdown
     time: StepTime
     fits: bool
+    optimizer: OptimizerChoice = ADAMW
 
     @property
     def family(self) -> str:
         return family(self.layout)
 
-    def describe(self) -> str:
+    def describe(self, optimizer: bool = True) -> str:
         ac = ", checkpointing" if self.activation_checkpointing else ""
-        return f"{self.layout.describe()}, micro-batch {self.micro_batch}{ac}"
+        opt = f", {self.optimizer.describe()}" if optimizer and self.optimizer != ADAMW else ""
+        return f"{self.layout.describe()}, micro-batch {self.micro_batch}{ac}{opt}"
 
     def to_dict(self, relative_to: float | None = None) -> dict:
         lay = self.layout
@@ -560,10 +600,10 @@ class Candidate:
                           "pp_stages_per_rank": lay.stages_per_rank,
                           "reshard_after_forward": lay.reshard_after_forward},
              "micro_batch": self.micro_batch, "accumulation": self.accumulation,
-             "activation_checkpointing": self.activation_checkpointing, "fits": self.fits,
-             "peak_allocated_gib": round(self.memory.allocated / GIB, 2),
-             "reserved_gib": round(self.memory.reserved / GIB, 2), "memory": self.memory.to_dict(),
-             "step_time": self.time.to_dict()}
+             "activation_checkpointing": self.activation_checkpointing, "optimizer": self.optimizer.config(),
+             "fits": self.fits, "peak_allocated_gib": round(self.memory.allocated / GIB, 2),
+             "reserved_gib": round(self.memory.reserved / GIB, 2), "host_gib": round(self.memory.host / GIB, 2),
+             "memory": self.memory.to_dict(), "step_time": self.time.to_dict()}
         if relative_to:
             d["relative_step_time"] = round(self.time.total_s / relative_to, 3)
         return d
@@ -580,6 +620,11 @@ class Plan:
     why: str
     considered: int  # (layout, micro-batch, checkpointing) combinations estimated
     notes: list[str] = field(default_factory=list)
+    optimizer: OptimizerChoice = ADAMW  # the optimizer planned with
+    # Set when AdamW did not fit and the planner chose the optimizer: why, and the best
+    # candidate of every optimizer that fits (in PROPOSAL_ORDER).
+    proposal: str = ""
+    alternatives: list[Candidate] = field(default_factory=list)
 
     @property
     def best(self) -> Candidate:
@@ -601,6 +646,8 @@ class Plan:
                          "gpu_name": hw.gpu_name, "peak_tflops": hw.peak_flops / 1e12, "detected": list(hw.detected),
                          "usable_gib": round(hw.usable_bytes / GIB, 2)},
             "seq_len": self.seq_len, "global_batch": self.global_batch, "considered": self.considered,
+            "optimizer": self.optimizer.config(), "proposal": self.proposal,
+            "alternatives": [c.to_dict(self.fastest_s) for c in self.alternatives],
             "why": self.why, "notes": self.notes,
             "ranked": [c.to_dict(self.fastest_s) for c in self.ranked],
             "rejected": [c.to_dict() for c in self.rejected],
@@ -613,22 +660,29 @@ def _micro_batches(per_rank: int) -> list[int]:
 
 
 def evaluate(args: ModelArgs, hw: Hardware, seq_len: int, global_batch: int,
-             layouts: list[Layout] | None = None) -> list[Candidate]:
+             layouts: list[Layout] | None = None, optimizer: OptimizerChoice = ADAMW,
+             micro_batch: int | None = None, activation_checkpointing: bool | None = None) -> list[Candidate]:
     """Every (layout, micro-batch, checkpointing) combination the batch arithmetic allows,
-    with its memory and step time."""
+    with its memory and step time; micro_batch / activation_checkpointing keep one value."""
     out = []
+    acs = (False, True) if activation_checkpointing is None else (activation_checkpointing,)
     for layout in layouts if layouts is not None else enumerate_layouts(args, hw.gpus, hw.gpus_per_node):
         if global_batch % layout.dp_size:
             continue
         per_rank = global_batch // layout.dp_size
-        for mb in _micro_batches(per_rank):
+        if micro_batch is None:
+            mbs = _micro_batches(per_rank)
+        else:
+            mbs = [micro_batch] if per_rank % micro_batch == 0 else []
+        for mb in mbs:
             m = per_rank // mb
             if layout.pp > 1 and (m < layout.pp or (layout.stages_per_rank > 1 and m % layout.pp)):
                 continue  # the schedules want at least pp micro-batches (interleaved: a multiple)
-            for ac in (False, True):
-                mem = estimate_memory(args, layout, mb, seq_len, ac, m)
-                time = estimate_step_time(args, layout, mb, seq_len, global_batch, ac, hw)
-                out.append(Candidate(layout, mb, ac, m, mem, time, mem.reserved <= hw.usable_bytes))
+            for ac in acs:
+                mem = estimate_memory(args, layout, mb, seq_len, ac, m, optimizer=optimizer)
+                time = estimate_step_time(args, layout, mb, seq_len, global_batch, ac, hw, optimizer)
+                fits = mem.reserved <= hw.usable_bytes and mem.host <= hw.usable_host_bytes
+                out.append(Candidate(layout, mb, ac, m, mem, time, fits, optimizer))
     return out
 
 
@@ -726,11 +780,14 @@ def hardware_notes(hw: Hardware) -> list[str]:
     return notes
 
 
-def make_plan(model: ModelChoice, hw: Hardware, seq_len: int | None = None,
-              global_batch: int | None = None) -> Plan:
+def make_plan(model: ModelChoice, hw: Hardware, seq_len: int | None = None, global_batch: int | None = None,
+              optimizer: OptimizerChoice | None = None, micro_batch: int | None = None,
+              activation_checkpointing: bool | None = None) -> Plan:
     """The ranked plan; a DuokaError naming the smallest GPU count that works when nothing
     fits (or the batch arithmetic when no layout divides the batch). seq_len defaults to
-    2048, or the model's context when shorter."""
+    2048, or the model's context when shorter. optimizer: the one to plan with; None: AdamW,
+    or when AdamW fits nowhere the first of PROPOSAL_ORDER that fits (the plan says why).
+    micro_batch / activation_checkpointing: plan only with that value."""
     args = model.args
     notes = []
     if seq_len is None:
@@ -748,19 +805,45 @@ def make_plan(model: ModelChoice, hw: Hardware, seq_len: int | None = None,
         notes.append(f"global batch {global_batch} (8 sequences per GPU; set --global-batch)")
     if global_batch < 1:
         raise DuokaError(f"--global-batch {global_batch} must be >= 1")
+    if micro_batch is not None and micro_batch < 1:
+        raise DuokaError(f"--micro-batch {micro_batch} must be >= 1")
+    chosen = optimizer or ADAMW
+    if chosen.offloaded and hw.gpus > 1:
+        raise DuokaError(f"offload=cpu runs on one GPU: torchao's CPUOffloadOptimizer copies each gradient to the "
+                         f"host as backward produces it, before any data-parallel reduction (its docstring: "
+                         f"\"for single-GPU training\"), and this plan is for {hw.gpus} GPUs",
+                         "on several GPUs shard the state instead (FSDP, which the plan considers; drop --offload) "
+                         "or use an optimizer with less state (--optimizer adamw8bit)")
     notes += hardware_notes(hw)
     layouts = enumerate_layouts(args, hw.gpus, hw.gpus_per_node)
-    candidates = evaluate(args, hw, seq_len, global_batch, layouts)
+    pinned = {"micro_batch": micro_batch, "activation_checkpointing": activation_checkpointing}
+    candidates = evaluate(args, hw, seq_len, global_batch, layouts, chosen, **pinned)
     if not candidates:
         sizes = sorted({lay.dp_size for lay in layouts})
+        if micro_batch is not None and any(global_batch % d == 0 for d in sizes):
+            shares = sorted({global_batch // d for d in sizes if global_batch % d == 0})
+            raise DuokaError(f"--micro-batch {micro_batch} divides none of the per-GPU batches "
+                             f"({', '.join(map(str, shares))}) that --global-batch {global_batch} gives on {hw.gpus} "
+                             "GPUs", "use a divisor of one of them, or a --global-batch that it divides")
         raise DuokaError(f"--global-batch {global_batch} splits over none of the data-parallel sizes the layouts of "
                          f"{hw.gpus} GPUs have ({', '.join(map(str, sizes))})",
                          f"use a multiple of {hw.gpus}, e.g. --global-batch {hw.gpus * max(1, global_batch // hw.gpus)}")
     ranked = rank(candidates)
+    proposal, alternatives = "", []
+    if not ranked:
+        fitting = _fitting_optimizers(args, hw, seq_len, global_batch, layouts, chosen, pinned)
+        alternatives = [rank(c)[0] for c in fitting.values()]
+        if optimizer is not None or not alternatives:
+            raise _does_not_fit(model, hw, seq_len, candidates, max(1, global_batch // hw.gpus) if asked_batch else 1,
+                                chosen, alternatives)
+        adamw_candidates = candidates
+        chosen = alternatives[0].optimizer
+        candidates = fitting[chosen]
+        ranked = rank(candidates)
+        proposal = _proposal(hw, adamw_candidates, alternatives, tried=[o for o in PROPOSAL_ORDER
+                                                                        if hw.gpus == 1 or not o.offloaded])
     rejected = _best_per_layout([c for c in candidates if not c.fits], key=lambda c: c.memory.reserved)
     rejected = [c for c in rejected if c.layout not in {r.layout for r in ranked}]
-    if not ranked:
-        raise _does_not_fit(model, hw, seq_len, candidates, max(1, global_batch // hw.gpus) if asked_batch else 1)
     best = ranked[0]
     if best.layout.fsdp and best.layout.pp == 1 and best.accumulation > 1 and best.layout.dp_shard > 1:
         notes.append(f"gradient accumulation under fsdp: the trainer skips the reduce-scatter between "
@@ -768,6 +851,12 @@ def make_plan(model: ModelChoice, hw: Hardware, seq_len: int | None = None,
                      "of its peak); --parallel.reduce_every_microbatch=true shards them (more reduce-scatter "
                      "traffic; this estimate does not include that saving), and a step without accumulation "
                      "(micro-batch = per-rank batch) does not hold them")
+    if chosen.offloaded:
+        limit = ("unchecked: give --host-memory GiB per GPU" if hw.host_memory_gib is None else
+                 f"within {_gib(hw.usable_host_bytes)} of {hw.host_memory_gib:g} GiB usable "
+                 f"({HOST_USABLE_FRACTION:.0%})")
+        notes.append(f"host memory for the offloaded AdamW: {_gib(best.memory.host)} GiB per GPU, half of it pinned "
+                     f"(fp32 weights and gradients; {limit}); its step runs on the host, which the step time counts")
     # Switches the ranking does not model: measured on 2 x H200 (docs/performance.md).
     speed = ("training.compile (on by default on GPUs; false turns it off): 1.65x eager for 0.5B under DDP, faster "
              "in every DDP and FSDP2 case measured (not yet measured under tp or pp), and no more memory than "
@@ -777,52 +866,99 @@ def make_plan(model: ModelChoice, hw: Hardware, seq_len: int | None = None,
                   "measured, not bit-equal to bf16 (compare the loss curve)")
     notes.append("speed switches this plan does not model: " + speed)
     return Plan(model, hw, seq_len, global_batch, ranked, sorted(rejected, key=lambda c: simplicity(c.layout)),
-                explain(ranked, rejected, hw), len(candidates), notes)
+                explain(ranked, rejected, hw), len(candidates), notes, chosen, proposal, alternatives)
 
 
-def minimum_gpus(args: ModelArgs, hw: Hardware, seq_len: int, per_gpu_batch: int = 1
-                 ) -> tuple[int, int, Hardware, Candidate] | None:
+def _fitting_optimizers(args: ModelArgs, hw: Hardware, seq_len: int, global_batch: int, layouts: list[Layout],
+                        tried: OptimizerChoice, pinned: dict) -> dict[OptimizerChoice, list[Candidate]]:
+    """The candidates of every optimizer of PROPOSAL_ORDER (but `tried`) with which some
+    layout fits, in that order; offload only on one GPU."""
+    out = {}
+    for opt in PROPOSAL_ORDER:
+        if opt == tried or (opt.offloaded and hw.gpus > 1):
+            continue
+        candidates = evaluate(args, hw, seq_len, global_batch, layouts, opt, **pinned)
+        if any(c.fits for c in candidates):
+            out[opt] = candidates
+    return out
+
+
+def _proposal(hw: Hardware, adamw: list[Candidate], alternatives: list[Candidate],
+              tried: list[OptimizerChoice]) -> str:
+    """Why the plan trains with another optimizer than AdamW, and how to select it."""
+    smallest = min(adamw, key=lambda c: c.memory.reserved)
+    first = alternatives[0]
+    return (f"AdamW does not fit (at least {_gib(smallest.memory.reserved)} GiB reserved per GPU, "
+            f"{smallest.describe()}; {_gib(hw.usable_bytes)} usable): planned with {first.optimizer.describe()}, "
+            f"set {_keys(first.optimizer)}. Tried in the order {', '.join(o.describe() for o in tried)}: AdamW's "
+            "update with less state first, then Adafactor, Muon and SGD, which change the update (compare the loss "
+            "curve)")
+
+
+def _keys(opt: OptimizerChoice) -> str:
+    return ", ".join(f"optimizer.{k} = {_toml_value(v)}" for k, v in opt.config().items())
+
+
+def minimum_gpus(args: ModelArgs, hw: Hardware, seq_len: int, per_gpu_batch: int = 1,
+                 optimizer: OptimizerChoice = ADAMW) -> tuple[int, int, Hardware, Candidate] | None:
     """(GPUs, global batch, the hardware, the best candidate there) for the fewest GPUs of
     this memory size on which some layout fits, with per_gpu_batch sequences per GPU (1, the
     least memory, unless the user asked for a batch). Searches whole nodes of the same
     size (nodes of 8 for a machine with fewer GPUs); None when even MAX_GPUS_SEARCHED do
-    not do."""
+    not do. An offloaded optimizer runs on one GPU: the search is without offload."""
+    if optimizer.offloaded:
+        optimizer = ADAMW
     node = max(hw.gpus_per_node, 8)
-    floor = math.ceil(state_bytes(args) / hw.usable_bytes)  # the state alone, spread perfectly
+    floor = math.ceil(state_bytes(args, optimizer) / hw.usable_bytes)  # the state alone, spread perfectly
     counts = [n for n in (2, 4) if n < node] + list(range(node, MAX_GPUS_SEARCHED + 1, node))
     for n in counts:
         if n <= hw.gpus or n < floor:
             continue
         trial = replace(hw, gpus=n, nodes=max(1, n // node), detected=())
         batch = n * per_gpu_batch
-        fitting = [c for c in evaluate(args, trial, seq_len, batch) if c.fits]
+        fitting = [c for c in evaluate(args, trial, seq_len, batch, optimizer=optimizer) if c.fits]
         if fitting:
             return n, batch, trial, rank(fitting)[0]
     return None
 
 
 def _does_not_fit(model: ModelChoice, hw: Hardware, seq_len: int, candidates: list[Candidate],
-                  per_gpu_batch: int) -> DuokaError:
+                  per_gpu_batch: int, optimizer: OptimizerChoice = ADAMW,
+                  alternatives: list[Candidate] | None = None) -> DuokaError:
     args = model.args
     smallest = min(candidates, key=lambda c: c.memory.reserved)
-    state = state_bytes(args)
+    state = state_bytes(args, optimizer)
+    per_param = state / args.num_params()
+    per_param_text = f"{per_param:.0f}" if abs(per_param - round(per_param)) < 0.05 else f"{per_param:.1f}"
+    which = "AdamW" if optimizer == ADAMW else optimizer.describe()
+    host = (f" (and {_gib(smallest.memory.host)} GiB of host memory against {_gib(hw.usable_host_bytes)} usable)"
+            if smallest.memory.host > hw.usable_host_bytes else "")
     cause = (f"{model.label} ({args.num_params() / 1e9:.1f}B parameters) does not fit on {hw.gpus} x "
              f"{hw.gpu_memory_gib:g} GiB in any layout: the smallest estimate is {_gib(smallest.memory.reserved)} GiB "
-             f"per GPU ({smallest.describe()}) against {_gib(hw.usable_bytes)} GiB usable; weights, gradients and "
-             f"AdamW state alone are {args.num_params() / 1e9:.1f}B x 16 bytes = {state / 1e12:.2f} TB "
-             f"({state / GIB:.0f} GiB) over all GPUs")
-    found = minimum_gpus(args, hw, seq_len, per_gpu_batch)
+             f"reserved ({_gib(smallest.memory.allocated)} allocated) per GPU ({smallest.describe()}) against "
+             f"{_gib(hw.usable_bytes)} GiB usable{host}; weights, gradients "
+             f"and {which} state alone are {args.num_params() / 1e9:.1f}B x {per_param_text} bytes = "
+             f"{state / 1e12:.2f} TB ({state / GIB:.0f} GiB) over all GPUs")
+    fixes = []
+    if alternatives:
+        c = alternatives[0]
+        fixes.append(f"an optimizer with less state fits: {c.optimizer.describe()} ({c.describe(optimizer=False)}: "
+                     f"{_gib(c.memory.reserved)} GiB reserved per GPU; set {_keys(c.optimizer)}, or leave --optimizer "
+                     "out to let the plan choose)")
+    found = minimum_gpus(args, hw, seq_len, per_gpu_batch, optimizer)
     if found is None:
-        fix = (f"no layout fits even on {MAX_GPUS_SEARCHED} GPUs of {hw.gpu_memory_gib:g} GiB at seq {seq_len} "
-               f"with {per_gpu_batch} sequence(s) per GPU: use a shorter --seq or GPUs with more memory")
+        fixes.append(f"no layout fits even on {MAX_GPUS_SEARCHED} GPUs of {hw.gpu_memory_gib:g} GiB at seq {seq_len} "
+                     f"with {per_gpu_batch} sequence(s) per GPU: use a shorter --seq or GPUs with more memory")
     else:
         n, batch, trial, c = found
         nodes = f" ({trial.nodes} nodes of {trial.gpus_per_node})" if trial.nodes > 1 else ""
-        fix = (f"use at least {n} GPUs of {hw.gpu_memory_gib:g} GiB{nodes}: there {c.describe()} needs "
-               f"{_gib(c.memory.reserved)} GiB per GPU at global batch {batch} (duoka plan --model {model.label} "
-               f"--gpus {n}{f' --nodes {trial.nodes}' if trial.nodes > 1 else ''} --gpu-memory "
-               f"{hw.gpu_memory_gib:g} --seq {seq_len} --global-batch {batch}); or GPUs with more memory")
-    return DuokaError(cause, fix)
+        opt_flag = "" if c.optimizer == ADAMW else f" --optimizer {c.optimizer.name}"
+        fixes.append(f"use at least {n} GPUs of {hw.gpu_memory_gib:g} GiB{nodes}: there {c.describe()} needs "
+                     f"{_gib(c.memory.reserved)} GiB per GPU at global batch {batch} (duoka plan --model {model.label} "
+                     f"--gpus {n}{f' --nodes {trial.nodes}' if trial.nodes > 1 else ''} --gpu-memory "
+                     f"{hw.gpu_memory_gib:g} --seq {seq_len} --global-batch {batch}{opt_flag}); or GPUs with more "
+                     "memory")
+    return DuokaError(cause, "; or ".join(fixes))
 
 
 # ---------------------------------------------------------------- output
@@ -846,6 +982,8 @@ def plan_toml(plan: Plan) -> str:
     lines = [(f"# duoka plan: {plan.model.label} on {hw.describe()}, seq {plan.seq_len}, "
               f"global batch {plan.global_batch}"),
              f"# {c.describe()}; accumulation {c.accumulation}",
+             *([f"# optimizer {plan.optimizer.describe()}: AdamW does not fit (duoka plan's proposal)"]
+               if plan.proposal else []),
              (f"# estimated peak per GPU: {_gib(c.memory.allocated)} GiB allocated, {_gib(c.memory.reserved)} GiB "
               f"reserved, of {hw.gpu_memory_gib:g} GiB"),
              f"# duoka train THIS.toml {launch}", ""]
@@ -866,6 +1004,8 @@ def plan_toml(plan: Plan) -> str:
         par.update(pp_schedule=lay.pp_schedule, pp_stages_per_rank=lay.stages_per_rank, pp_layers="even",
                    pp_microbatches=c.accumulation)
     sections["parallel"] = par
+    if plan.optimizer != ADAMW:
+        sections["optimizer"] = plan.optimizer.config()
     for name, values in sections.items():
         lines.append(f"[{name}]")
         lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
@@ -897,6 +1037,23 @@ def _layout_table(plan: Plan, top: int, compact: bool):
     return table
 
 
+def _alternatives_table(plan: Plan):
+    """The first layout of every optimizer that fits, in the order the plan tried them."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title="optimizers that fit (the first layout of each)", title_justify="left",
+                  box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0))
+    for i, header in enumerate(("optimizer", "layout", "micro", "AC", "GiB", "resv", "host", "tok/s/GPU")):
+        table.add_column(header, justify="left" if i in (0, 1, 3) else "right", no_wrap=i < 2)
+    for c in plan.alternatives:
+        table.add_row(c.optimizer.describe(), c.layout.describe(compact=True), str(c.micro_batch),
+                      "full" if c.activation_checkpointing else "-", _gib(c.memory.allocated),
+                      _gib(c.memory.reserved), _gib(c.memory.host) if c.memory.host else "-",
+                      f"{c.time.tokens_per_s_per_gpu:,.0f}", style="bold green" if c is plan.alternatives[0] else None)
+    return table
+
+
 def render(plan: Plan, console, top: int = 10) -> None:
     """The plan as rich tables: ranked layouts, the first one's memory, why, the config."""
     from rich.table import Table
@@ -904,9 +1061,13 @@ def render(plan: Plan, console, top: int = 10) -> None:
     hw, best = plan.hardware, plan.best
     args = plan.model.args
     detected = f" (detected: {', '.join(plan.hardware.detected)})" if hw.detected else ""
+    optimizer = f"; optimizer {plan.optimizer.describe()}" if plan.optimizer != ADAMW else ""
     console.print(f"[bold]{plan.model.label}[/] ({args.num_params() / 1e9:.2f}B parameters) on {hw.describe()}"
-                  f"{detected}; seq {plan.seq_len}, global batch {plan.global_batch}; {plan.considered} "
+                  f"{detected}; seq {plan.seq_len}, global batch {plan.global_batch}{optimizer}; {plan.considered} "
                   f"combinations estimated, {len(plan.ranked)} layouts fit in {_gib(hw.usable_bytes)} GiB usable")
+    if plan.proposal:
+        console.print(f"[bold]optimizer:[/] {plan.proposal}")
+        console.print(_alternatives_table(plan))
     wide = _layout_table(plan, top, compact=False)
     # The full table where the terminal holds it; else short headers and names, one line per
     # layout (rich would break the names and headers over several lines to fit).
@@ -925,13 +1086,17 @@ def render(plan: Plan, console, top: int = 10) -> None:
                 title_justify="left")
     mem.add_column("part")
     mem.add_column("GiB", justify="right")
-    labels = {"parameters": "fp32 weights", "gradients": "fp32 gradients", "optimizer": "AdamW moments (fp32)",
+    labels = {"parameters": "fp32 weights", "gradients": "fp32 gradients", "optimizer": plan.optimizer.state_label(),
               "gathered_parameters": "bf16 weights (gathered / cast)", "activations": "activations",
-              "logits": "logits + cross-entropy", "communication": "communication buffers"}
+              "logits": "logits + cross-entropy", "communication": "communication buffers",
+              "optimizer_step": "optimizer step's temporaries"}
     for key, value in best.memory.parts().items():
-        mem.add_row(labels[key], _gib(value))
+        if key != "optimizer_step" or value:
+            mem.add_row(labels[key], _gib(value))
     mem.add_row("[bold]peak allocated[/] (torch max_memory_allocated)", f"[bold]{_gib(best.memory.allocated)}[/]")
     mem.add_row("reserved (+ fragmentation, CUDA context, NCCL)", _gib(best.memory.reserved))
+    if best.memory.host:
+        mem.add_row("host memory (offloaded state, pinned weights and gradients)", _gib(best.memory.host))
     console.print(mem)
     console.print(f"[bold]why first:[/] {plan.why}")
     for note in plan.notes:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from duoka.errors import DuokaError
 from duoka.plan.memory import GIB
+from duoka.plan.optimizers import ADAMW, OptimizerChoice
 from duoka.plan.planner import (
     DEFAULT_SEQ,
     FAMILY_ORDER,
@@ -139,15 +140,20 @@ def scaling_hardware(hw: Hardware, gpus: int | None, nodes: int | None) -> Hardw
 
 
 def plan_scaling(model: ModelChoice, hw: Hardware, seq_len: int | None = None, global_batch: int | None = None,
-                 mode: str = "weak", family: str | None = None, counts: list[int] | None = None) -> Scaling:
+                 mode: str = "weak", family: str | None = None, counts: list[int] | None = None,
+                 optimizer: OptimizerChoice = ADAMW) -> Scaling:
     """Rows from one node of `hw` to all of it. `global_batch` is the batch of the largest
     row (weak scaling divides it per GPU for the others; default DEFAULT_BATCH_PER_GPU
-    sequences per GPU); under strong scaling every row trains that batch."""
+    sequences per GPU); under strong scaling every row trains that batch. Every row trains
+    with `optimizer` (AdamW by default; an offloaded one runs on one GPU only)."""
     if mode not in ("weak", "strong"):
         raise DuokaError(f"--scaling {mode} is unknown", "use --scaling weak (batch per GPU fixed) or --scaling strong "
                                                          "(global batch fixed)")
     if family is not None and family not in FAMILIES:
         raise DuokaError(f"--family {family} is unknown", f"use one of {', '.join(FAMILIES)}")
+    if optimizer.offloaded:
+        raise DuokaError("--offload cpu runs on one GPU (torchao's CPUOffloadOptimizer), and --scaling plans many",
+                         "drop --offload, or plan one GPU without --scaling")
     args = model.args
     seq_len = seq_len or min(DEFAULT_SEQ, args.max_seq_len)
     if seq_len > args.max_seq_len:
@@ -164,12 +170,14 @@ def plan_scaling(model: ModelChoice, hw: Hardware, seq_len: int | None = None, g
                      "global batch growing with the GPUs (set --global-batch for the largest row)")
     else:
         notes.append(f"strong scaling: global batch {batch} sequences of {seq_len} at every size")
+    if optimizer != ADAMW:
+        notes.append(f"optimizer {optimizer.describe()} at every size")
     notes += hardware_notes(hw)
     rows = []
     for n in counts or scaling_counts(gpn, largest):
         trial = replace(hw, gpus=n, nodes=max(1, n // gpn) if n % gpn == 0 else 1, detected=())
         b = batch if mode == "strong" else max(1, round(per_gpu * n))
-        candidates = evaluate(args, trial, seq_len, b)
+        candidates = evaluate(args, trial, seq_len, b, optimizer=optimizer)
         if family is not None:
             candidates = [c for c in candidates if c.family == family]
         ranked = rank(candidates)

@@ -77,8 +77,9 @@ class Health:
     def allow_update(self, step: int, optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor,
                      loss_sum: torch.Tensor, global_tokens: torch.Tensor) -> bool:
         """Whether the caller runs optimizer.step() for step `step` (0-based). A fused optimizer
-        is told to skip on the device (found_inf) and always runs; the foreach one runs on the
-        CPU only (build_optimizer), where reading the flag here costs nothing."""
+        is told to skip on the device (found_inf) and always runs; the others (foreach AdamW on
+        CPU, and the optimizers without a fused step: duoka.train.optimizers) read the flag here,
+        which on a GPU waits once per step for backward to finish."""
         n = step + 1
         stats = self._spike_statistics(n)
         skip = ~torch.isfinite(grad_norm)

@@ -30,6 +30,7 @@ from duoka.parallel.pipeline import (
     measure_stage_costs,
 )
 from duoka.plan.memory import largest_fitting_micro_batch
+from duoka.plan.optimizers import optimizer_from_config
 from duoka.train.optim import plan_batch
 
 # pp_layers=measured: stage paces within this ratio count as timing noise, and the layers split evenly.
@@ -100,7 +101,8 @@ def auto_micro_batch(cfg, dims: ParallelDims, args: ModelArgs, device: torch.dev
                                      cfg.training.activation_checkpointing == "full",
                                      free + torch.cuda.memory_allocated(device), tp=dims.tp, pp=dims.pp,
                                      dp_mode=par.dp_mode, dp_replicate=dims.dp_replicate,
-                                     pp_schedule=par.pp_schedule, pp_stages_per_rank=par.pp_stages_per_rank)
+                                     pp_schedule=par.pp_schedule, pp_stages_per_rank=par.pp_stages_per_rank,
+                                     optimizer=optimizer_from_config(cfg.optimizer))
     t = torch.tensor([mb], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())

@@ -1,14 +1,10 @@
-"""Batch arithmetic, learning-rate rules and the optimizer."""
+"""Batch arithmetic and learning-rate rules (the optimizer itself: duoka.train.optimizers)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-import torch
-from torch import nn
-
-from duoka import runtime
 from duoka.config import OptimizerConfig
 from duoka.errors import DuokaError
 
@@ -90,33 +86,3 @@ def lr_at(step: int, total_steps: int, peak: float, cfg: OptimizerConfig) -> flo
     if cfg.schedule == "linear":
         return peak - (peak - floor) * progress
     return floor + (peak - floor) * 0.5 * (1 + math.cos(math.pi * progress))  # cosine
-
-
-def build_optimizer(model: nn.Module, cfg: OptimizerConfig, lr: float, device_type: str) -> torch.optim.AdamW:
-    """AdamW with decoupled weight decay on matrices and embeddings only: decaying norm
-    gains and biases pulls them toward zero for no regularisation benefit."""
-    seen, decay, no_decay = set(), [], []
-    for p in model.parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = device_type == "cuda"  # one kernel for all parameters; CPU uses the foreach path
-    return torch.optim.AdamW(groups, lr=lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused,
-                             foreach=None if fused else True)
-
-
-def clip_to_norm(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], norm: torch.Tensor,
-                 max_norm: float) -> None:
-    """Scale the gradients by min(1, max_norm / (norm + 1e-6)), as clip_grad_norm_ does, given
-    their global norm. Fused AdamW takes the scale into its own pass over the gradients, as the
-    divisor `grad_scale` (the hook AMP's GradScaler unscales through). A separate multiply
-    reads and writes every fp32 gradient once more (8.4 ms of a 7B step on an H200); the
-    fused kernel writes the divided gradients back, so folding saves 2.9 of those ms."""
-    if not math.isfinite(max_norm):
-        return
-    if optimizer.defaults.get("fused"):
-        runtime.set_grad_divisor(optimizer, torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0))
-    else:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)

@@ -49,7 +49,8 @@ from duoka.train.export import export_trained
 from duoka.train.health import Health
 from duoka.train.metrics import RankFigures, StepMetrics, memory_figures
 from duoka.train.model_setup import Filler, Pipeline, auto_micro_batch, build_training_model, model_options
-from duoka.train.optim import build_optimizer, clip_to_norm, effective_lr, lr_at, pipeline_microbatches, plan_batch
+from duoka.train.optim import effective_lr, lr_at, pipeline_microbatches, plan_batch
+from duoka.train.optimizers import build_optimizer, clip_to_norm
 from duoka.train.profiling import StepProfiler
 from duoka.train.spec import STOPPED_MARKER, RunSpec
 from duoka.train.step_end import StepEnd, sync_debug, to_host
@@ -126,7 +127,7 @@ class Trainer:
         # The end-of-text id that separates packed documents, when attention stops at them.
         self.eot = spec.end_of_text if cfg.data.document_masking and spec.token_file is not None else None
         self.peak_lr = effective_lr(cfg.optimizer, cfg.training.global_batch_size)
-        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.peak_lr, device.type)
+        self.optimizer = build_optimizer(self.model, cfg.optimizer, self.peak_lr, device.type, self.compiled)
 
         self.start_step, self.tokens_seen = spec.resume_step, 0
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, device, spec.tokenizer_files, self.console)
@@ -259,8 +260,7 @@ class Trainer:
         cfg = self.cfg
         grad_norm = self._clip_gradients(cfg.training.grad_clip if cfg.training.grad_clip > 0 else math.inf)
         lr = lr_at(step, cfg.training.steps, self.peak_lr, cfg.optimizer)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        self.optimizer.set_lr(lr)
         if self.health.allow_update(step, self.optimizer, grad_norm, loss_sum, self.global_tokens):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -432,6 +432,8 @@ class Trainer:
                 f"{self.world} x {self.device.type} | {str(self.compute_dtype).removeprefix('torch.')}"
                 + (f" + float8 {cfg.training.float8} matmuls" if cfg.training.float8 != "none" else "")
                 + (" | compiled" if self.compiled else "")
+                + (f" | {self.optimizer.describe()}" if cfg.optimizer.name != "adamw" or cfg.optimizer.offload != "none"
+                   else "")
                 + f" | global batch {b.global_batch} = micro-batch {b.micro_batch} x accumulation {b.accumulation} "
                 f"x dp {b.dp_size} | seq {cfg.training.seq_len} | peak lr {self.peak_lr:.3g}"
                 + (" | fused chunked loss" if self.fused_loss else

@@ -168,7 +168,7 @@ def test_the_trainer_s_model_holds_its_base_in_bf16_and_gives_the_optimizer_only
     from duoka.parallel.dims import ParallelDims
     from duoka.parallel.parallelize import ParallelOptions
     from duoka.train.model_setup import Filler, build_training_model
-    from duoka.train.optim import build_optimizer
+    from duoka.train.optimizers import build_optimizer
 
     cfg = load_config(overrides=["--lora.rank=4"])
     base, lora = bundled_model_dir(), adapters.lora_args(cfg)
