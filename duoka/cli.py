@@ -7,11 +7,13 @@ anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
 from duoka import __version__, runtime
+from duoka.cache import compile_cache_env
 from duoka.errors import DuokaError
 from duoka.hub import bundled_model_dir
 
@@ -54,7 +56,17 @@ def add_generate_parser(sub) -> None:
     p.set_defaults(func=run_generate)
 
 
+def use_compile_cache() -> None:
+    """Send the engine's torch.compile artefacts (its compiled decoder steps) where
+    training's go, the user's cache directory (duoka.cache), unless
+    TORCHINDUCTOR_CACHE_DIR says otherwise: a second `duoka generate` or `duoka serve` of
+    the model compiles little (on one H200, 0.5B's first token 3.3 s cold, 0.7 s warm).
+    The engine's processes inherit it."""
+    os.environ.update(compile_cache_env())
+
+
 def run_generate(a: argparse.Namespace) -> int:
+    use_compile_cache()
     from duoka.serve.engine import LLMEngine
     from duoka.serve.params import SamplingParams
     params = SamplingParams(max_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
@@ -158,9 +170,9 @@ def add_serve_parser(sub) -> None:
 
 
 def run_serve(a: argparse.Namespace) -> int:
-    import os
-
     from duoka.launcher import launch_serving
+
+    use_compile_cache()
 
     if a.tp < 1:
         raise DuokaError(f"--tp {a.tp} must be at least 1", "give the number of GPUs to split the model over")
@@ -664,7 +676,6 @@ def add_bench_serve_parser(sub) -> None:
 
 def run_bench_serve(a: argparse.Namespace) -> int:
     import json
-    import os
     import shlex
 
     from rich.console import Console

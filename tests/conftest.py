@@ -51,6 +51,17 @@ class Cli:
         return subprocess.Popen(self.command(*args), cwd=ROOT, env=self.env(env), **kwargs)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_cache_folder(tmp_path_factory):
+    """duoka's cache folder (tokenized corpora, compiled artefacts; duoka.cache) for this
+    session, inherited by every process a test starts: nothing lands in the user's, and a
+    test that sets TORCHINDUCTOR_CACHE_DIR in-process (run_generate, run_serve) points it here."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("DUOKA_CACHE", str(tmp_path_factory.mktemp("duoka-cache")))
+    yield
+    patch.undo()
+
+
 @pytest.fixture(scope="session")
 def duoka() -> Cli:
     """The `duoka` command: duoka(*args) runs it (stdout and stderr captured), duoka.ok(*args)

@@ -3,6 +3,8 @@ failing on this machine, and the folder compiled artefacts are kept in. (The che
 fallback in a real two-rank run: tests/distributed/test_layouts.py; compiled tp and pp:
 test_model_parallel.py; the cache across launches: tests/integration/test_cli_train.py.)"""
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -128,3 +130,15 @@ def test_a_passed_check_is_remembered_until_what_it_depends_on_changes(tmp_path,
     assert console.lines[-1].startswith("compile check: passed before with this configuration, skipped")
     monkeypatch.delenv(INDUCTOR_CACHE_ENV)
     assert check_stamp(args, ModelOptions(), torch.float32, None, CPU, documents=False) is None
+
+
+def test_generate_and_serve_compile_into_the_users_cache_unless_told(tmp_path, monkeypatch):
+    from duoka import cli
+
+    monkeypatch.delenv(INDUCTOR_CACHE_ENV, raising=False)
+    monkeypatch.setenv("DUOKA_CACHE", str(tmp_path / "duoka"))
+    cli.use_compile_cache()
+    assert os.environ[INDUCTOR_CACHE_ENV] == str(tmp_path / "duoka" / "torch-compile")
+    monkeypatch.setenv(INDUCTOR_CACHE_ENV, str(tmp_path / "mine"))
+    cli.use_compile_cache()
+    assert os.environ[INDUCTOR_CACHE_ENV] == str(tmp_path / "mine")
