@@ -36,11 +36,12 @@ class Training:
         self.cli, self.common, self.steps, self.env = cli, common, steps, env
         self._made, self._tmp = made, tmp_path_factory
 
-    def variant(self, env: dict[str, str], common: tuple[str, ...] = ()) -> Training:
-        """This configuration under more environment variables and common flags (its runs
-        stored apart from this one's)."""
-        return Training(self.cli, self.common + tuple(common), self.steps, {**self.env, **env}, self._made,
-                        self._tmp)
+    def variant(self, env: dict[str, str], common: tuple[str, ...] = (), steps: int | None = None) -> Training:
+        """This configuration under more environment variables and common flags, and over
+        `steps` steps when given (its runs stored apart from this one's)."""
+        steps_flag = () if steps is None else (f"--training.steps={steps}",)
+        return Training(self.cli, self.common + tuple(common) + steps_flag, steps or self.steps,
+                        {**self.env, **env}, self._made, self._tmp)
 
     def command(self, run_dir: Path, *args: str) -> list[str]:
         return self.cli.command("train", f"--job.output_dir={run_dir}", *self.common, *args)
@@ -109,10 +110,11 @@ def fsdp_accumulation_run(layout_runs) -> Path:
                        "--checkpoint.interval=3")
 
 
-def _assert_same_run(run: Path, ref: Path, loss: float = 1e-5, grad_norm: float = 1e-4, weights: float = 1e-5):
-    """The keyword arguments: the relative differences allowed."""
+def _assert_same_run(run: Path, ref: Path, loss: float = 1e-5, grad_norm: float = 1e-4, weights: float = 1e-5,
+                     steps: int = STEPS):
+    """The keyword arguments: the relative differences allowed, and the runs' length."""
     a, b = read_records(run), read_records(ref)
-    assert len(a) == len(b) == STEPS
+    assert len(a) == len(b) == steps
     for x, y in zip(a, b):
         assert abs(x["loss"] - y["loss"]) <= loss * abs(y["loss"]), (a, b)
         # Adam is blind to a constant factor on the gradient, so the weights alone would not
@@ -120,7 +122,7 @@ def _assert_same_run(run: Path, ref: Path, loss: float = 1e-5, grad_norm: float 
         # 1e-4: the norm is a sum of 1.3M squares, reduced in another order per layout
         # (up to 1.6e-5 under FSDP2); a scale error would be 50% or more.
         assert abs(x["grad_norm"] - y["grad_norm"]) <= grad_norm * y["grad_norm"], (a, b)
-    wa, wb = read_weights(run, STEPS), read_weights(ref, STEPS)
+    wa, wb = read_weights(run, steps), read_weights(ref, steps)
     assert wa.keys() == wb.keys()
     # The whole model's relative difference. No per-element or per-tensor bound: where a
     # gradient is zero up to rounding (the k-projection bias: a constant key shift barely

@@ -41,7 +41,7 @@ def test_float8_resume_is_exact(duoka, records, weights, tmp_path):
     checkpoint must still save and restore them (and the run continue bit for bit)."""
     # seq 8: float8 matmuls run on the CPU's slow reference path.
     layout = ["--nproc-per-node=2", "--parallel.dp_mode=fsdp", "--training.float8=tensorwise", *COMMON,
-              "--training.seq_len=8"]
+              "--training.seq_len=8", "--training.global_batch_size=4"]
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     # 4 steps (2, then resumed to 4) keep this float8 run on CPU short; the bf16/fp32
     # layouts' resume is checked over 8 above.

@@ -66,13 +66,16 @@ def test_gradient_accumulation_matches(layout_runs, reference, fsdp_accumulation
 # than fp32) and one thread per process. float8 rounds each matmul's fp32 result to a 3-bit
 # mantissa, so a last-bit difference from another thread count (another summation order)
 # became ~1e-3 of the gradient norm: each of two DDP ranks on 2 cores runs one thread.
-FLOAT8_ARGS = ("--training.seq_len=16",)
+# Three steps of a global batch of 4 (two ranks of one micro-batch of 2): the first step
+# checks the gathered float8 weights and scales exactly, the next two follow the updates.
+FLOAT8_ARGS = ("--training.seq_len=16", "--training.global_batch_size=4")
 FLOAT8_ENV = {"OMP_NUM_THREADS": "1"}
+FLOAT8_STEPS = 3
 
 
 @pytest.fixture(scope="module")
 def float8_runs(layout_runs):
-    return layout_runs.variant(FLOAT8_ENV, FLOAT8_ARGS)
+    return layout_runs.variant(FLOAT8_ENV, FLOAT8_ARGS, steps=FLOAT8_STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -82,24 +85,25 @@ def float8_fp32_reference(float8_runs):
 
 @pytest.fixture(scope="module")
 def float8_reference(float8_runs):
-    # Micro-batches of 4, as each of two ranks runs them: float8's activation scales are
+    # Micro-batches of 2, as each of two ranks runs them: float8's activation scales are
     # taken per micro-batch, so the split must match for the runs to compare.
-    return float8_runs.once("--nproc-per-node=1", "--training.float8=tensorwise", "--training.micro_batch_size=4")
+    return float8_runs.once("--nproc-per-node=1", "--training.float8=tensorwise", "--training.micro_batch_size=2")
 
 
 def test_float8_is_near_full_precision(float8_fp32_reference, float8_reference, records):
     a, b = records(float8_reference), records(float8_fp32_reference)
     gaps = [abs(x["loss"] - y["loss"]) / y["loss"] for x, y in zip(a, b)]
     # The float8 matmuls ran: fp32 alone, split into other micro-batches, differs by ~1e-7;
-    # float8 by ~4e-5 from the first step.
+    # float8 by ~4e-5 from the first step, up to 1.1e-3 later at this batch of 4 x 16 tokens.
+    # A wrong scale moves the loss by whole percents.
     assert max(gaps) >= 1e-5, gaps
-    assert max(gaps) <= 1e-3, gaps
+    assert max(gaps) <= 3e-3, gaps
 
 
 def test_float8_ddp_matches_one_process(float8_runs, float8_reference, assert_same_run, tmp_path):
     float8_runs(tmp_path / "run", "--nproc-per-node=2", "--parallel.dp_mode=ddp", "--training.float8=tensorwise",
-                "--training.micro_batch_size=4")
-    assert_same_run(tmp_path / "run", float8_reference)
+                "--training.micro_batch_size=2")
+    assert_same_run(tmp_path / "run", float8_reference, steps=FLOAT8_STEPS)
 
 
 def test_float8_fsdp2_follows_one_process(float8_runs, float8_fp32_reference, float8_reference, records, weights,
@@ -116,7 +120,7 @@ def test_float8_fsdp2_follows_one_process(float8_runs, float8_fp32_reference, fl
     matmuls; 19x on the machine this test was written on)."""
     run = tmp_path / "run"
     float8_runs(run, "--nproc-per-node=2", "--parallel.dp_mode=fsdp", "--training.float8=tensorwise",
-                "--training.micro_batch_size=4", "--parallel.fsdp_blocks_per_unit=1")
+                "--training.micro_batch_size=2", "--parallel.fsdp_blocks_per_unit=1")
     a, b = records(run), records(float8_reference)
     assert len(a) == len(b) == float8_runs.steps
     assert abs(a[0]["loss"] - b[0]["loss"]) <= 1e-6 * b[0]["loss"], (a[0], b[0])
