@@ -9,6 +9,7 @@ import socket
 import subprocess
 
 import pytest
+import torch
 
 
 def test_loss_falls_in_reference(reference, records):
@@ -106,8 +107,18 @@ def test_float8_ddp_matches_one_process(float8_runs, float8_reference, assert_sa
     assert_same_run(tmp_path / "run", float8_reference, steps=FLOAT8_STEPS)
 
 
-def test_float8_fsdp2_follows_one_process(float8_runs, float8_fp32_reference, float8_reference, records, weights,
-                                          tmp_path):
+# FSDP2 with float8 weights gathered in float8 (torchao's tensor subclass), one block per unit.
+FLOAT8_FSDP = ("--nproc-per-node=2", "--parallel.dp_mode=fsdp", "--training.float8=tensorwise",
+               "--training.micro_batch_size=2", "--parallel.fsdp_blocks_per_unit=1")
+
+
+@pytest.fixture(scope="module")
+def float8_fsdp_run(float8_runs):
+    return float8_runs.once(*FLOAT8_FSDP)
+
+
+def test_float8_fsdp2_follows_one_process(float8_runs, float8_fsdp_run, float8_fp32_reference, float8_reference,
+                                          records, weights):
     """FSDP2 with the weights gathered in float8 and their scales precomputed after each
     step. The first step's forward uses the gathered float8 weights and their scales from
     the same initial weights, so its loss equals one process's (a wrong scale would show
@@ -118,9 +129,7 @@ def test_float8_fsdp2_follows_one_process(float8_runs, float8_fp32_reference, fl
     are near the float8 run on one process, and the final weights 3x nearer to it than
     float8 is to full precision (observed 5.4-7.3x on a 2-core Xeon without float8
     matmuls; 19x on the machine this test was written on)."""
-    run = tmp_path / "run"
-    float8_runs(run, "--nproc-per-node=2", "--parallel.dp_mode=fsdp", "--training.float8=tensorwise",
-                "--training.micro_batch_size=2", "--parallel.fsdp_blocks_per_unit=1")
+    run = float8_fsdp_run
     a, b = records(run), records(float8_reference)
     assert len(a) == len(b) == float8_runs.steps
     assert abs(a[0]["loss"] - b[0]["loss"]) <= 1e-6 * b[0]["loss"], (a[0], b[0])
@@ -133,6 +142,20 @@ def test_float8_fsdp2_follows_one_process(float8_runs, float8_fp32_reference, fl
         return float(sum(((wa[k] - wb[k]) ** 2).sum() for k in wa).sqrt() / sum((wb[k] ** 2).sum() for k in wb).sqrt())
 
     assert distance(run, float8_reference) * 3 <= distance(float8_reference, float8_fp32_reference)
+
+
+def test_float8_fsdp2_resume_is_exact(float8_runs, float8_fsdp_run, records, weights, tmp_path):
+    """The checkpoint saves and restores the float8 weights FSDP2 gathers (torchao's tensor
+    subclass), and the run continues bit for bit: 2 steps, then resumed to the third, against
+    the uninterrupted run (the warm-up covers steps 1-2, so their lr does not depend on the
+    first leg's shorter run)."""
+    resumed = tmp_path / "resumed"
+    float8_runs(resumed, *FLOAT8_FSDP, "--training.steps=2")
+    proc = float8_runs(resumed, *FLOAT8_FSDP, "--checkpoint.resume=auto")
+    assert "resumed at step 2" in proc.stderr and "float8 tensorwise" in proc.stderr
+    assert [r["loss"] for r in records(float8_fsdp_run)] == [r["loss"] for r in records(resumed)]
+    wa, wb = weights(float8_fsdp_run, FLOAT8_STEPS), weights(resumed, FLOAT8_STEPS)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
 def test_two_launchers_on_loopback_form_one_job(duoka, layout_runs, reference, assert_same_run, tmp_path):
