@@ -264,9 +264,10 @@ def launch_training(
         resume_step = 0
         base = adapters.base_identity(model_dir, args, cfg.training.seed) if lora is not None else None
         if resume_from is not None:
-            adapters.check_resume(resume_from, read_train_state(resume_from), lora, base)
-            check_optimizer_resume(resume_from, read_train_state(resume_from), cfg)
-            resume_step = read_train_state(resume_from)["step"]
+            train_state = read_train_state(resume_from)
+            adapters.check_resume(resume_from, train_state, lora, base)
+            check_optimizer_resume(resume_from, train_state, cfg)
+            resume_step = train_state["step"]
             if resume_step > cfg.training.steps:
                 raise DuokaError(f"{resume_from} is at step {resume_step}, past training.steps={cfg.training.steps}",
                                  f"raise training.steps above {resume_step} to train further")

@@ -327,11 +327,7 @@ def build_optimizer(model: nn.Module, cfg: OptimizerConfig, lr: float, device_ty
                     compiled: bool = False) -> TrainingOptimizer:
     """The configured optimizer over the model's trained parameters (a tied pair counted once).
     `compiled`: the run is compiled (training.compile as resolved), and torchao's step with it."""
-    seen, params = set(), []
-    for p in model.parameters():
-        if p.requires_grad and id(p) not in seen:
-            seen.add(id(p))
-            params.append(p)
+    params = [p for p in model.parameters() if p.requires_grad]  # parameters() yields a shared one once
     cuda = device_type == "cuda"
     betas = (cfg.beta1, cfg.beta2)
     if cfg.offload == "cpu":

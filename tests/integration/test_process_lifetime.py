@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from duoka.monitor.dashboard import read_records
+
 COMMON = ("--model.flavor=debug", "--training.seq_len=32", "--training.global_batch_size=4", "--training.dtype=fp32",
           "--nproc-per-node=2", "--checkpoint.interval=2", "--metrics.log_interval=100")
 RESTART_STEPS = 12
@@ -51,14 +53,8 @@ def workers(marker: str, launcher: int) -> list[int]:
 
 
 def steps_logged(run: Path) -> list[int]:
-    path = run / "metrics.jsonl"
-    steps = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            steps.append(json.loads(line)["step"])
-        except ValueError:  # a line being written
-            pass
-    return steps
+    path = run / "metrics.jsonl"  # read_records skips a line being written
+    return [r["step"] for r in read_records(path)] if path.exists() else []
 
 
 def wait_for(condition, what: str, timeout: float = 120):

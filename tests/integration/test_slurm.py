@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from duoka.monitor.dashboard import read_records
 from duoka.parallel.cluster import SLURM_RDZV_PORT_BASE, SLURM_RDZV_PORT_SPAN, expand_hostlist
 from duoka.parallel.ports import free_port
 
@@ -205,14 +206,8 @@ def slurm():
 
 
 def steps_logged(run: Path) -> list[int]:
-    path = run / "metrics.jsonl"
-    steps = []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            steps.append(json.loads(line)["step"])
-        except ValueError:  # a line being written
-            pass
-    return steps
+    path = run / "metrics.jsonl"  # read_records skips a line being written
+    return [r["step"] for r in read_records(path)] if path.exists() else []
 
 
 def losses(run: Path) -> list[tuple[int, float]]:
