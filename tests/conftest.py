@@ -90,7 +90,14 @@ def in_process(capsys):
 
     def run(*args: str) -> subprocess.CompletedProcess:
         capsys.readouterr()  # what ran before (fixtures) is not the command's output
-        code = main(list(args))
+        saved = dict(os.environ)
+        try:
+            code = main(list(args))
+        finally:
+            # A launcher writes its workers' environment into its own (OMP_NUM_THREADS=1 for
+            # two CPU ranks, the compile cache): kept, it would reach every later test's processes.
+            os.environ.clear()
+            os.environ.update(saved)
         out, err = capsys.readouterr()
         return subprocess.CompletedProcess(args, code, out, err)
 
@@ -131,6 +138,22 @@ def hf_folder(tmp_path):
         kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
         model.save_pretrained(folder, **kwargs)
         return model, folder
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def saved_hf_model(tmp_path_factory):
+    """Factory for module and session fixtures: saved_hf_model(**overrides) -> the folder of
+    make_hf_model(**overrides), written once per session for each set of arguments."""
+    made: dict[tuple, Path] = {}
+
+    def make(**overrides) -> Path:
+        key = tuple(sorted(overrides.items()))
+        if key not in made:
+            made[key] = tmp_path_factory.mktemp("hf-model")
+            make_hf_model(**overrides).save_pretrained(made[key])
+        return made[key]
 
     return make
 

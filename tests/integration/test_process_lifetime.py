@@ -96,9 +96,13 @@ def in_process(*args: str) -> tuple[int, str]:
     """duoka.cli.main(args) in this process: (exit code, stderr)."""
     from duoka.cli import main
 
-    err = io.StringIO()
-    with contextlib.redirect_stderr(err):
-        code = main(list(args))
+    err, saved = io.StringIO(), dict(os.environ)
+    try:
+        with contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:  # the launcher's worker environment stays out of later tests' processes
+        os.environ.clear()
+        os.environ.update(saved)
     return code, err.getvalue()
 
 
