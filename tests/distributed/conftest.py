@@ -27,6 +27,11 @@ def read_weights(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
     return load_file(run_dir / "hf" / f"step-{step}" / "model.safetensors")
 
 
+def stderr_of(once_run: Path) -> Path:
+    """Where Training.once keeps a run's console output (beside the run directory)."""
+    return once_run.parent / "stderr.txt"
+
+
 class Training:
     """`duoka train` with fixed common flags (`common`, a run of `steps` steps) and
     environment. `once(*args)` is the run with those arguments, trained once per session:
@@ -51,14 +56,16 @@ class Training:
         return self.cli.ok("train", f"--job.output_dir={run_dir}", *self.common, *args, env=self.env)
 
     def once(self, *args: str) -> Path:
+        """The run with these arguments; its console output is in stderr_of(run)."""
         key = (self.common, tuple(sorted(self.env.items())), args)
         if key not in self._made:
             run = self._tmp.mktemp("once") / "run"
             try:
-                self(run, *args)
+                proc = self(run, *args)
             except Exception as e:  # a failed run fails every test that needs it, without a retry each
                 self._made[key] = e
                 raise
+            stderr_of(run).write_text(proc.stderr)
             self._made[key] = run
         if isinstance(self._made[key], Exception):
             raise self._made[key]
@@ -74,6 +81,12 @@ def training(duoka, tmp_path_factory):
         return Training(duoka, tuple(common), steps, dict(env or {}), made, tmp_path_factory)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def once_stderr():
+    """once_stderr(run): the console output of a run made by Training.once."""
+    return lambda run: stderr_of(run).read_text()
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ Checkpoints written under one layout resume under another.
 """
 
 import json
+import re
 import shutil
 
 import pytest
@@ -47,13 +48,38 @@ def test_model_parallel_layout_matches_one_process(layout_runs, reference, asser
 
 # Compiled: under tp each block's attention and MLP bodies (the plan's hooks stay eager),
 # under pp each stage's whole blocks; against the eager single process.
-@pytest.mark.parametrize("layout", [TP2, ["--nproc-per-node=2", *PP, "--parallel.pp_schedule=1f1b"]],
-                         ids=["tp2", "pp2-1f1b"])
-def test_compiled_model_parallel_matches_one_process(layout_runs, reference, assert_compiled_run, compile_flags,
-                                                     tmp_path, layout):
-    proc = layout_runs(tmp_path / "run", *compile_flags, *layout)
-    assert "| compiled |" in proc.stderr and "step 1 compiled in" in proc.stderr, proc.stderr[-3000:]
-    assert_compiled_run(tmp_path / "run", reference)
+PP2_1F1B = ["--nproc-per-node=2", *PP, "--parallel.pp_schedule=1f1b"]
+
+
+@pytest.mark.parametrize("layout", [TP2, PP2_1F1B], ids=["tp2", "pp2-1f1b"])
+def test_compiled_model_parallel_matches_one_process(layout_runs, reference, assert_compiled_run, compile_cache,
+                                                     compile_flags, once_stderr, layout):
+    run = layout_runs.once(*compile_flags, *layout)
+    stderr = once_stderr(run)
+    assert "| compiled |" in stderr, stderr[-3000:]
+    assert f"step 1: compiling (artefacts cached in {compile_cache} for the next launch) ..." in stderr
+    assert re.search(r"\nstep 1 compiled in \d+\.\d s\n", stderr), stderr[-3000:]
+    assert_compiled_run(run, reference)
+
+
+# pp2 rather than tp2: a second tp2 launch still writes new entries (13 s against 34 s cold;
+# not yet explained, bench/NOTES.md 21).
+def test_a_second_launch_finds_every_compiled_graph(layout_runs, compile_cache, compile_flags, tmp_path):
+    """The compiled pp2 run wrote its graphs to the compile cache: the same configuration
+    launched again finds every one (it writes no new entry) and skips the compile check. (The
+    folder's default under the user's cache directory: tests/unit/test_compiling.py.)"""
+
+    def entries():  # Inductor's compiled graphs and AOTAutograd's forward/backward pairs
+        return sorted(p.relative_to(compile_cache) for kind in ("fxgraph", "aotautograd")
+                      for p in (compile_cache / kind).rglob("*") if p.is_file())
+
+    layout_runs.once(*compile_flags, *PP2_1F1B)  # the first launch, if no test made it yet
+    made = entries()
+    assert {path.parts[0] for path in made} == {"fxgraph", "aotautograd"}
+    second = layout_runs(tmp_path / "second", *compile_flags, *PP2_1F1B)
+    assert re.search(r"\nstep 1 compiled in \d+\.\d s\n", second.stderr), second.stderr[-3000:]
+    assert "compile check: passed before with this configuration, skipped" in second.stderr
+    assert entries() == made
 
 
 @pytest.fixture

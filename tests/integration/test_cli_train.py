@@ -1,7 +1,6 @@
 """`duoka train` end to end through the real CLI."""
 
 import json
-import re
 
 
 def assert_user_error(proc, *phrases):
@@ -10,30 +9,6 @@ def assert_user_error(proc, *phrases):
     assert "error: " in proc.stderr and "\n  fix: " in proc.stderr
     for phrase in phrases:
         assert phrase in proc.stderr, proc.stderr
-
-
-def test_compiling_is_announced_and_cached_for_the_next_launch(duoka, compile_cache, compile_flags, tmp_path):
-    """training.compile on: the console says that step 1 compiles and then how long it took;
-    the artefacts go to the compile cache, where a second launch of the same configuration
-    finds every graph (it writes no new entry) and skips the compile check. (The folder's default under the user's cache
-    directory: tests/unit/test_compiling.py.)"""
-    args = (*compile_flags, "--data.path=random", "--training.steps=2", "--training.seq_len=64",
-            "--training.global_batch_size=8", "--checkpoint.enabled=false", "--checkpoint.export_final=false")
-
-    def entries():  # Inductor's compiled graphs and AOTAutograd's forward/backward pairs
-        return sorted(p.relative_to(compile_cache) for kind in ("fxgraph", "aotautograd")
-                      for p in (compile_cache / kind).rglob("*") if p.is_file())
-
-    before = entries()
-    first = duoka.ok("train", f"--job.output_dir={tmp_path / 'first'}", *args)
-    assert f"step 1: compiling (artefacts cached in {compile_cache} for the next launch) ..." in first.stderr
-    assert re.search(r"\nstep 1 compiled in \d+\.\d s\n", first.stderr), first.stderr[-3000:]
-    made = entries()
-    assert {path.parts[0] for path in set(made) - set(before)} == {"fxgraph", "aotautograd"}  # step 1's graphs
-    second = duoka.ok("train", f"--job.output_dir={tmp_path / 'second'}", *args)
-    assert re.search(r"\nstep 1 compiled in \d+\.\d s\n", second.stderr), second.stderr[-3000:]
-    assert "compile check: passed before with this configuration, skipped" in second.stderr
-    assert entries() == made
 
 
 def test_resolved_config_is_reusable(duoka, tmp_path):
