@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -90,14 +91,10 @@ def in_process(capsys):
 
     def run(*args: str) -> subprocess.CompletedProcess:
         capsys.readouterr()  # what ran before (fixtures) is not the command's output
-        saved = dict(os.environ)
-        try:
+        # A launcher writes its workers' environment into its own (OMP_NUM_THREADS=1 for two
+        # CPU ranks, the compile cache): kept, it would reach every later test's processes.
+        with mock.patch.dict(os.environ):
             code = main(list(args))
-        finally:
-            # A launcher writes its workers' environment into its own (OMP_NUM_THREADS=1 for
-            # two CPU ranks, the compile cache): kept, it would reach every later test's processes.
-            os.environ.clear()
-            os.environ.update(saved)
         out, err = capsys.readouterr()
         return subprocess.CompletedProcess(args, code, out, err)
 

@@ -14,6 +14,7 @@ import signal
 import time
 import uuid
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from safetensors.torch import load_file
@@ -96,13 +97,10 @@ def in_process(*args: str) -> tuple[int, str]:
     """duoka.cli.main(args) in this process: (exit code, stderr)."""
     from duoka.cli import main
 
-    err, saved = io.StringIO(), dict(os.environ)
-    try:
-        with contextlib.redirect_stderr(err):
-            code = main(list(args))
-    finally:  # the launcher's worker environment stays out of later tests' processes
-        os.environ.clear()
-        os.environ.update(saved)
+    err = io.StringIO()
+    # mock.patch.dict: the launcher's worker environment stays out of later tests' processes.
+    with contextlib.redirect_stderr(err), mock.patch.dict(os.environ):
+        code = main(list(args))
     return code, err.getvalue()
 
 
