@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from balance_gpu import COMPETITOR, throughput, train
 
-from duoka.bench import stop_process_groups_on_signal
+from duoka.bench.training import stop_process_groups_on_signal
 
 TIMER = ["--parallel.balance=static", "--parallel.balance_weights=1"]
 

@@ -1,4 +1,4 @@
-"""GPU check of the clip folded into fused AdamW (duoka.train.optim.clip_to_norm) under
+"""GPU check of the clip folded into fused AdamW (duoka.train.optimizers.clip_to_norm) under
 FSDP2: the folded path must step as an explicit clip followed by the same fused AdamW,
 and differ from no clip at all. Run: torchrun --nproc-per-node=N bench/check_clip_fold.py
 (CPU: add --cpu; the unit test test_optim.py covers one process)."""

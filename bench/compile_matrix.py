@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from duoka.bench import run_process_group, stop_process_groups_on_signal
+from duoka.bench.training import run_process_group, stop_process_groups_on_signal
 from duoka.errors import DuokaError
 
 TOKENIZER = "--model.tokenizer=" + str(ROOT / "duoka" / "assets" / "tiny-qwen2")

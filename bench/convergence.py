@@ -294,7 +294,7 @@ def peer_worker(spec_path: Path) -> None:
     # From duoka only what defines the data and the lr, so both sides get them identically.
     from duoka.config import OptimizerConfig
     from duoka.data.dataset import PackedWindows, rank_batches, step_inputs
-    from duoka.train.optim import effective_lr, lr_at
+    from duoka.train.lr_schedule import effective_lr, lr_at
 
     spec = json.loads(spec_path.read_text())
     train, opt_cfg = spec["settings"]["training"], OptimizerConfig(**spec["settings"]["optimizer"])
@@ -323,7 +323,7 @@ def peer_worker(spec_path: Path) -> None:
     ddp = DistributedDataParallel(model, device_ids=[device.index] if cuda else None)
     load_s = time.perf_counter() - t_load
 
-    # AdamW as duoka builds it (duoka.train.optim.build_optimizer): decoupled weight decay on
+    # AdamW as duoka builds it (duoka.train.optimizers.build_optimizer): decoupled weight decay on
     # parameters with 2 or more dimensions only, the tied embedding/head counted once
     # (model.parameters() yields a shared tensor once); fused on GPU, foreach on CPU.
     params = [p for p in model.parameters() if p.requires_grad]

@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from duoka.bench import run_duoka  # noqa: E402
+from duoka.bench.training import run_duoka  # noqa: E402
 
 PORT = 9464
 MONITORING_ON = ["metrics.tensorboard=true", f"metrics.prometheus_port={PORT}", "metrics.gpu_interval_s=0.5",

@@ -35,8 +35,8 @@ from serve_models import SHAPES, make_folder, peer_workload  # noqa: E402
 from duoka.models.qwen2.args import ModelOptions  # noqa: E402
 from duoka.models.qwen2.hf_adapter import read_config  # noqa: E402
 from duoka.models.qwen2.paged import PagedBatch, paged_attention  # noqa: E402
-from duoka.parallel.ports import free_port  # noqa: E402
-from duoka.parallel.serve_tp import all_reduce_outputs, load_tp_model  # noqa: E402
+from duoka.host.ports import free_port  # noqa: E402
+from duoka.serve.tp_shard import all_reduce_outputs, load_tp_model  # noqa: E402
 from duoka.serve.engine import LLM  # noqa: E402
 from duoka.serve.params import SamplingParams  # noqa: E402
 from duoka.serve.runner import CacheShape, ModelRunner, StepInputs  # noqa: E402

@@ -32,10 +32,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from duoka.bench_serve import StartedServer  # noqa: E402
+from duoka.bench.serving import StartedServer  # noqa: E402
 from duoka.errors import DuokaError  # noqa: E402
 from duoka.hub import bundled_model_dir, resolve_model_dir  # noqa: E402
-from duoka.serve.loadgen import server_models  # noqa: E402
+from duoka.bench.loadgen import server_models  # noqa: E402
 
 
 def find_guidellm(given: str | None = None) -> str | None:

@@ -16,7 +16,7 @@ Three runs, each after a warm-up:
   (api._Server._completion_events) in one process, no HTTP: the engine thread + the event
   loop's per-token work without the server;
 - http: `duoka serve`'s app (AsyncEngine + build_app + uvicorn, as duoka/serve/server.py runs
-  them) in a subprocess, loaded by duoka/serve/loadgen.py from this process, so the client
+  them) in a subprocess, loaded by duoka/bench/loadgen.py from this process, so the client
   does not share the server's GIL.
 Reported: output tok/s of each, their ratios to the engine, and the server's CPU time per
 streamed token by thread (/proc/<pid>/task/<tid>/stat: the event loop's and the engine
@@ -48,7 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from duoka.serve.loadgen import Request, random_prompts, run_load  # noqa: E402
+from duoka.bench.loadgen import Request, random_prompts, run_load  # noqa: E402
 from duoka.serve.params import SamplingParams  # noqa: E402
 
 MAX_SEQS = 256
@@ -179,7 +179,7 @@ def serve(port: int, a) -> None:
     from duoka.serve.async_engine import AsyncEngine
     from duoka.serve.engine import LLMEngine
     from duoka.serve.engine_process import EngineProcess
-    from duoka.serve.metrics import ServeMetrics
+    from duoka.serve.server_metrics import ServeMetrics
 
     if a.switch_interval:
         sys.setswitchinterval(a.switch_interval)

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from duoka.hub import bundled_model_dir
-from duoka.serve.loadgen import random_prompts
+from duoka.bench.loadgen import random_prompts
 
 # The serving peer's shapes (../shared/peer/hf_qwen2_serve_baseline.py).
 SHAPES = {

@@ -20,7 +20,7 @@ import time
 import traceback
 from pathlib import Path
 
-from duoka.bench import DEFAULT_PEER, bench, stop_process_groups_on_signal
+from duoka.bench.training import DEFAULT_PEER, bench, stop_process_groups_on_signal
 
 
 def parse_case(text: str) -> dict:

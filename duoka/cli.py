@@ -170,7 +170,7 @@ def add_serve_parser(sub) -> None:
 
 
 def run_serve(a: argparse.Namespace) -> int:
-    from duoka.launcher import launch_serving
+    from duoka.launch.serving import launch_serving
 
     use_compile_cache()
 
@@ -233,19 +233,21 @@ def run_train(a: argparse.Namespace) -> int:
     """Exit codes (docs/training.md, "Stopping, preemption and restarts"): 0 finished; 1 a
     worker died or crashed; 2 an error with its fix; 128 + N stopped by signal N (130 SIGINT,
     143 SIGTERM), with the command to continue; a worker's own code (75: a hang)."""
-    from duoka.launcher import TrainingStopped, WorkerFailed, launch_training
+    from duoka.launch.cluster import LaunchFlags
+    from duoka.launch.exits import TrainingStopped, WorkerFailed
 
     if a.sbatch and not a.slurm_script:
         raise DuokaError("--sbatch adds lines to the script --slurm-script writes", "add --slurm-script FILE")
+    flags = LaunchFlags(a.nproc_per_node, a.nnodes, a.node_rank, a.rdzv_endpoint, a.gpus, a.max_restarts)
     if a.slurm_script:
-        from duoka.launcher import write_slurm_script
+        from duoka.launch.slurm_script import write_slurm_script
 
-        write_slurm_script(a.slurm_script, a.config, a.overrides, a.nnodes, a.nproc_per_node, a.node_rank,
-                           a.rdzv_endpoint, a.gpus, a.max_restarts, a.sbatch, log)
+        write_slurm_script(a.slurm_script, a.config, a.overrides, flags, a.sbatch, log)
         return 0
+    from duoka.launch.training import launch_training
+
     try:
-        launch_training(a.config, a.overrides, a.nproc_per_node, a.nnodes, a.node_rank, a.rdzv_endpoint, a.gpus,
-                        log=log, max_restarts=a.max_restarts)
+        launch_training(a.config, a.overrides, flags, log=log)
     except TrainingStopped as e:
         log(f"duoka: {e}")
         return e.exit_code
@@ -346,7 +348,7 @@ def add_plan_parser(sub) -> None:
                    help="plan only with (full) or without (none) checkpointing (default: both)")
     from dataclasses import fields
 
-    from duoka.config import OptimizerConfig  # not duoka.plan.optimizers: `duoka --help` loads no torch
+    from duoka.config import OptimizerConfig  # not duoka.plan.optimizer_costs: `duoka --help` loads no torch
 
     choices = {f.name: f.metadata["choices"] for f in fields(OptimizerConfig)}
     p.add_argument("--optimizer", choices=choices["name"], default=None,
@@ -421,7 +423,7 @@ def run_plan(a: argparse.Namespace) -> int:
 
 def plan_optimizer(a: argparse.Namespace):
     """The optimizer `duoka plan` was asked to plan with; None lets it choose."""
-    from duoka.plan.optimizers import OptimizerChoice
+    from duoka.plan.optimizer_costs import OptimizerChoice
 
     if a.sgd_momentum is not None and a.optimizer != "sgd":
         raise DuokaError("--sgd-momentum is the momentum of --optimizer sgd", "add --optimizer sgd, or drop it")
@@ -434,7 +436,7 @@ def plan_optimizer(a: argparse.Namespace):
 def run_plan_scaling(a: argparse.Namespace, model, links: dict) -> int:
     import json
 
-    from duoka.plan.optimizers import ADAMW
+    from duoka.plan.optimizer_costs import ADAMW
     from duoka.plan.planner import detect_hardware
     from duoka.plan.scaling import DEFAULT_SCALING_GPUS, plan_scaling, render_scaling, scaling_hardware
 
@@ -609,7 +611,7 @@ def run_bench(a: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from duoka.bench import DEFAULT_PEER, bench, render, stop_process_groups_on_signal
+    from duoka.bench.training import DEFAULT_PEER, bench, render, stop_process_groups_on_signal
 
     stop_process_groups_on_signal()  # a stopped `duoka bench` takes its training workers with it
     result = bench(a.model, a.layout, a.seq, a.micro_batch, a.steps, a.warmup, a.global_batch, a.vs_peer,
@@ -680,7 +682,7 @@ def run_bench_serve(a: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from duoka.bench_serve import ServeBenchOptions, bench_serve, default_result_path, render
+    from duoka.bench.serving import ServeBenchOptions, bench_serve, default_result_path, render
 
     # The command as typed (`duoka` for the interpreter and script path); in-process callers get their argv.
     argv = sys.argv[1:]

@@ -412,7 +412,7 @@ def share_batches(dataset, step: int, global_batch: int, offset: int, sizes: lis
                   seed: int) -> list[torch.Tensor]:
     """A load-balanced rank's micro-batches for `step`: its contiguous slice
     [offset, offset + sum(sizes)) of the step's global sample order, cut into micro-batches
-    of the given sizes (duoka.parallel.balance). With equal shares and full micro-batches
+    of the given sizes (duoka.train.load_balance). With equal shares and full micro-batches
     this is rank_batches."""
     indices = global_batch_indices(step, global_batch, len(dataset), seed)[offset:offset + sum(sizes)]
     starts = [sum(sizes[:k]) for k in range(len(sizes))]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from duoka.errors import DuokaError
 from duoka.monitor.gpu import decode_clock_reasons, load_nvml, nvml_text
-from duoka.parallel.ports import port_is_free
+from duoka.host.ports import port_is_free
 from duoka.plan.planner import Hardware, make_plan, resolve_model
 
 PASS, WARN, FAIL, INFO = "PASS", "WARN", "FAIL", "INFO"

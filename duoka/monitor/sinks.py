@@ -1,5 +1,5 @@
-"""Where each step's metrics record goes besides metrics.jsonl: TensorBoard event files and
-a Prometheus endpoint. Both take the same record (design.md's metrics.jsonl contract plus
+"""Where each step's metrics record goes: metrics.jsonl, TensorBoard event files and a
+Prometheus endpoint. All three take the same record (design.md's metrics.jsonl contract plus
 `per_rank`, `gpus`, `balance` and `alerts`), so the three sinks never disagree.
 
 Prometheus names follow its conventions: `duoka_*`, base units (seconds, bytes, ratios,
@@ -10,11 +10,45 @@ endpoint per node, served by the node's first rank and covering the node's ranks
 
 from __future__ import annotations
 
+import json
 import math
 import socket
 from pathlib import Path
+from typing import Any
 
 GIB = 2**30
+
+
+class MetricsFile:
+    """One JSON object per optimizer step, appended and flushed so `tail -f` and the monitor
+    see each step as it completes. Strict JSON: a NaN or infinite figure is written as null
+    (JSON has no such numbers, and strict parsers refuse Python's bare NaN)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._f = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        try:
+            line = json.dumps(record, separators=(",", ":"), allow_nan=False)
+        except ValueError:  # a non-finite figure somewhere: rare, so only then is the record copied
+            line = json.dumps(_null_nonfinite(record), separators=(",", ":"), allow_nan=False)
+        self._f.write(line + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _null_nonfinite(value: Any) -> Any:
+    """`value` with every NaN or infinite float, however deep, replaced by None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _null_nonfinite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_null_nonfinite(v) for v in value]
+    return value
 
 
 def _finite(x) -> bool:

@@ -8,7 +8,7 @@ blocks (fragmentation), the CUDA context with its kernels, and NCCL's own buffer
 
 Mixed precision as the trainer runs it: fp32 master weights, fp32 gradients and the
 optimizer's state (AdamW, the default: two fp32 moments, i.e. 16 bytes per parameter in all;
-the other optimizers' state: duoka.plan.optimizers), with bf16 compute. Two regimes:
+the other optimizers' state: duoka.plan.optimizer_costs), with bf16 compute. Two regimes:
 - "bf16": FSDP2 casts the gathered parameters to bf16, so the whole forward (residual
   stream included) is bf16. Used for dp_mode=fsdp and for every tp/pp layout, which the
   trainer always runs through FSDP2.
@@ -50,7 +50,7 @@ from dataclasses import asdict, dataclass, field
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import ModelArgs
 from duoka.models.qwen2.stages import stage_layer_counts
-from duoka.plan.optimizers import ADAMW, OptimizerChoice, rank_footprint
+from duoka.plan.optimizer_costs import ADAMW, OptimizerChoice, rank_footprint
 
 GIB = 2**30
 
@@ -65,7 +65,7 @@ CUDA_CONTEXT_BYTES = 0.6 * GIB
 # MiB per process for the collectives of a training step (more with many communicators).
 NCCL_BYTES = 0.5 * GIB
 # Bytes per parameter of training state: fp32 weights (4) and fp32 gradients (4); the
-# optimizer's state by duoka.plan.optimizers (AdamW: exp_avg and exp_avg_sq, 4 + 4).
+# optimizer's state by duoka.plan.optimizer_costs (AdamW: exp_avg and exp_avg_sq, 4 + 4).
 WEIGHT_BYTES, GRAD_BYTES = 4, 4
 # Cross-entropy on the logits, per vocabulary entry per token, at its peak (the start of
 # its backward): the fp32 log-probabilities log_softmax saved (4), their gradient from the

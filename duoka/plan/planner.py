@@ -42,7 +42,7 @@ absolute figure assumes a well-fed GPU and is no benchmark):
 - optimizer: its step's traffic through HBM (fused AdamW: 32 bytes per local parameter),
   Muon's Newton-Schulz matmuls, the per-tensor host calls of the for-loop and compiled
   optimizers, and for AdamW offloaded to the host the host's AdamW and the PCIe copies
-  (duoka.plan.optimizers: step_seconds, with its constants and their sources).
+  (duoka.plan.optimizer_costs: step_seconds, with its constants and their sources).
 
 Optimizers: the plan is for optimizer.name / optimizer.offload as asked (AdamW by default).
 When nothing fits with AdamW and no optimizer was asked for, it tries the others in
@@ -65,8 +65,8 @@ from duoka.errors import DuokaError
 from duoka.hub import resolve_model_dir
 from duoka.models.qwen2.args import FLAVORS, ModelArgs
 from duoka.models.qwen2.hf_adapter import read_config
-from duoka.monitor.metrics import peak_flops
-from duoka.parallel.devices import read_gpus, visible_indices
+from duoka.monitor.mfu import peak_flops
+from duoka.host.devices import read_gpus, visible_indices
 from duoka.plan.memory import (
     GIB,
     Layout,
@@ -78,7 +78,7 @@ from duoka.plan.memory import (
     state_bytes,
 )
 from duoka.plan.network import DEFAULT_NETWORK, INTERCONNECTS, Fabric, make_fabric, preset
-from duoka.plan.optimizers import ADAMW, OptimizerChoice, rank_footprint, step_seconds
+from duoka.plan.optimizer_costs import ADAMW, OptimizerChoice, rank_footprint, step_seconds
 
 # ---- hardware constants (the links between GPUs: duoka.plan.network)
 DEFAULT_PEAK_FLOPS = 989e12  # H100/H200 SXM dense bf16, when the GPU is not known

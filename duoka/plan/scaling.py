@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from duoka.errors import DuokaError
 from duoka.plan.memory import GIB
-from duoka.plan.optimizers import ADAMW, OptimizerChoice
+from duoka.plan.optimizer_costs import ADAMW, OptimizerChoice
 from duoka.plan.planner import (
     DEFAULT_SEQ,
     FAMILY_ORDER,

@@ -44,7 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from duoka.errors import DuokaError
 from duoka.serve.async_engine import AsyncEngine, EngineError, RequestStream, ServerBusy
-from duoka.serve.metrics import CONTENT_TYPE
+from duoka.serve.server_metrics import CONTENT_TYPE
 from duoka.serve.params import MAX_LOGPROBS, RequestOutput, SamplingParams
 
 # JSON has no -inf; a token the model rules out entirely gets vLLM's stand-in value.

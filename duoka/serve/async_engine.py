@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from duoka.errors import DuokaError
-from duoka.serve.metrics import ServeMetrics
+from duoka.serve.server_metrics import ServeMetrics
 from duoka.serve.params import RequestOutput, SamplingParams
 
 # Consecutive failed steps after which the engine counts as broken rather than unlucky.

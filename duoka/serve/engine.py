@@ -24,8 +24,8 @@ from duoka.hub import bundled_model_dir, resolve_model_dir
 from duoka.models.qwen2.args import ModelOptions
 from duoka.models.qwen2.hf_adapter import load_hf_model, read_config
 from duoka.models.qwen2.peft import merge_adapter
-from duoka.parallel.devices import compute_dtype_name
-from duoka.parallel.serve_tp import check_tp_size, load_tp_model, local_kv_heads
+from duoka.host.devices import compute_dtype_name
+from duoka.serve.tp_shard import check_tp_size, load_tp_model, local_kv_heads
 from duoka.serve.blocks import BlockManager
 from duoka.serve.detok import IncrementalDetokenizer
 from duoka.serve.params import MAX_LOGPROBS, RequestOutput, SamplingParams, TokenLogprob
@@ -40,7 +40,7 @@ from duoka.serve.runner import (
 )
 from duoka.serve.sampling import Sampler, SampleRow
 from duoka.serve.scheduler import ScheduledBatch, Scheduler, SeqStatus, Sequence
-from duoka.serve.tp import broadcast_step, step_group, worker_loop
+from duoka.serve.step_channel import broadcast_step, step_group, worker_loop
 
 BUNDLED_MODEL_NAME = "duoka-tiny-qwen2"  # what clients call the model served when none is named
 

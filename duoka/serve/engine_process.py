@@ -34,7 +34,7 @@ from pathlib import Path
 
 from duoka.data.tokenizer import load_tokenizer
 from duoka.errors import DuokaError
-from duoka.parallel.lifetime import die_with_launcher
+from duoka.host.lifetime import die_with_launcher
 from duoka.serve.engine import EngineStats, LLMEngine, RequestLimits
 from duoka.serve.params import RequestOutput, SamplingParams
 

@@ -2,7 +2,7 @@
 paged KV cache sized from the memory left after the weights, and one forward per step.
 
 The runner does not know about requests or ranks: under tensor parallelism every rank
-runs the same `execute` on the same StepInputs (rank 0 builds them, duoka.serve.tp sends
+runs the same `execute` on the same StepInputs (rank 0 builds them, duoka.serve.step_channel sends
 them), and only rank 0 reads the logits.
 """
 

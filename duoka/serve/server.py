@@ -22,10 +22,10 @@ from typing import Any, Callable
 import uvicorn
 
 from duoka.errors import DuokaError
-from duoka.parallel.ports import port_is_free
+from duoka.host.ports import port_is_free
 from duoka.serve.api import build_app
 from duoka.serve.async_engine import AsyncEngine, Draining
-from duoka.serve.metrics import ServeMetrics
+from duoka.serve.server_metrics import ServeMetrics
 
 DEFAULT_HOST = "127.0.0.1"  # nothing outside this machine reaches the server unless --host says so
 DEFAULT_PORT = 8000  # vLLM's and the OpenAI clients' usual local port

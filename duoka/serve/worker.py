@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from duoka.errors import DuokaError
-from duoka.parallel.lifetime import die_with_launcher, leave_after_return
+from duoka.host.lifetime import die_with_launcher, leave_after_return
 from duoka.serve.engine import LLMEngine
 from duoka.serve.server import serve
 

@@ -22,7 +22,7 @@ from duoka.models.qwen2.peft import Adapter, dequantized_base_, merge_adapter, r
 from duoka.parallel.dtensor import full_value
 from duoka.parallel.parallelize import unwrap
 from duoka.train.adapters import base_name, fingerprint, saved_lora
-from duoka.train.checkpoint import load_model_weights, plain_name
+from duoka.train.checkpoint_io import load_model_weights, plain_name
 from duoka.train.integrity import (
     MANIFEST,
     METADATA,
@@ -33,7 +33,7 @@ from duoka.train.integrity import (
     is_disk_full,
     read_state,
 )
-from duoka.train.spec import TOKENIZER_FILES
+from duoka.train.run_files import TOKENIZER_FILES
 
 
 def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_shard_size: str = "5GB",

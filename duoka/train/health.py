@@ -28,7 +28,7 @@ from duoka import runtime
 from duoka.config import ReliabilityConfig
 from duoka.errors import DuokaError
 from duoka.parallel.dtensor import local_value
-from duoka.train.checkpoint import complete_checkpoints, is_healthy
+from duoka.train.checkpoint_io import complete_checkpoints, is_healthy
 from duoka.train.step_end import to_host
 
 # The smallest standard deviation a spike is measured against, in nats: a flat stretch of loss

@@ -30,8 +30,8 @@ from duoka.parallel.pipeline import (
     measure_stage_costs,
 )
 from duoka.plan.memory import largest_fitting_micro_batch
-from duoka.plan.optimizers import optimizer_from_config
-from duoka.train.optim import plan_batch
+from duoka.plan.optimizer_costs import optimizer_from_config
+from duoka.train.batch_plan import plan_batch
 
 # pp_layers=measured: stage paces within this ratio count as timing noise, and the layers split evenly.
 MEASURED_PACE_NOISE = 1.1

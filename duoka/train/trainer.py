@@ -33,26 +33,28 @@ from duoka.data.sft import SFTWindows
 from duoka.models.lora import trainable_numel
 from duoka.models.loss import IGNORE_INDEX, compiled_cross_entropy_sum, cross_entropy_sum
 from duoka.models.qwen2.args import ModelArgs
-from duoka.monitor.metrics import peak_flops
-from duoka.parallel.devices import compute_dtype_name
+from duoka.monitor.mfu import peak_flops
+from duoka.host.devices import compute_dtype_name
 from duoka.parallel.dims import ParallelDims
 from duoka.parallel.dtensor import full_value
 from duoka.parallel.parallelize import ParallelOptions, check_float8, float8_gathers, precompute_float8_scales
 from duoka.plan.memory import auto_blocks_per_unit
 from duoka.timing import Mark, PhaseTimer
 from duoka.train.adapters import lora_args
-from duoka.train.balancing import LoadBalancing
-from duoka.train.checkpointing import Checkpointer
+from duoka.train.load_balance import LoadBalancing
+from duoka.train.checkpointer import Checkpointer
 from duoka.train.compiling import agree_to_compile, check_compile, check_stamp, compile_wanted, failing_ranks
 from duoka.train.console import console_for
 from duoka.train.export import export_trained
 from duoka.train.health import Health
-from duoka.train.metrics import RankFigures, StepMetrics, memory_figures
+from duoka.train.step_metrics import RankFigures, StepMetrics, memory_figures
 from duoka.train.model_setup import Filler, Pipeline, auto_micro_batch, build_training_model, model_options
-from duoka.train.optim import effective_lr, lr_at, pipeline_microbatches, plan_batch
+from duoka.train.batch_plan import pipeline_microbatches, plan_batch
+from duoka.train.lr_schedule import effective_lr, lr_at
 from duoka.train.optimizers import build_optimizer, clip_to_norm
 from duoka.train.profiling import StepProfiler
-from duoka.train.spec import STOPPED_MARKER, RunSpec
+from duoka.train.run_files import STOPPED_MARKER
+from duoka.train.spec import RunSpec
 from duoka.train.step_end import StepEnd, sync_debug, to_host
 from duoka.train.watchdog import Watchdog
 

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from duoka import runtime
 from duoka.config import ReliabilityConfig
 from duoka.monitor.alerts import Alert
-from duoka.train.spec import write_error_report
+from duoka.train.run_files import write_error_report
 
 # sysexits.h EX_TEMPFAIL: a hang is often transient (a node, a link, a file system), so a
 # scheduler may requeue; distinct from 1 (a crash), 2 (a user error) and 143 (SIGTERM).

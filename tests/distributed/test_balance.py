@@ -9,7 +9,7 @@ import json
 import pytest
 
 from duoka.config import load_config
-from duoka.parallel.balance import Balancer
+from duoka.train.load_balance import Balancer
 
 STEPS = 12
 COMMON = [f"--training.steps={STEPS}", "--training.seq_len=32", "--training.global_batch_size=12",

@@ -79,7 +79,7 @@ def test_kill_during_save_leaves_the_previous_checkpoint(duoka, records, tmp_pat
     job.wait(timeout=60)
     assert caught, "never saw a save in progress"
 
-    from duoka.train.checkpoint import complete_checkpoints
+    from duoka.train.checkpoint_io import complete_checkpoints
 
     complete = complete_checkpoints(run)
     assert complete and all(not p.name.endswith(".partial") for p in complete)
@@ -103,7 +103,7 @@ def test_sigterm_saves_then_stops(duoka, records, tmp_path):
     _, err = job.communicate(timeout=120)
     assert job.returncode == 143, err[-2000:]
     assert "stopped by SIGTERM" in err and "--checkpoint.resume=auto" in err, err[-2000:]
-    from duoka.train.checkpoint import complete_checkpoints
+    from duoka.train.checkpoint_io import complete_checkpoints
 
     saved = complete_checkpoints(run)
     assert saved and int(saved[-1].name.split("-")[1]) == records(run)[-1]["step"]

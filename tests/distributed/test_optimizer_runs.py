@@ -1,4 +1,4 @@
-"""Every optimizer (optimizer.name) through the real worker (duoka.train.worker.worker_main, the
+"""Every optimizer (optimizer.name) through the real worker (duoka.train.entrypoint.worker_main, the
 trainer, its checkpoints and export), fp32 on CPU over gloo: DDP and FSDP2 on 2 processes
 compute what one process computes, muon under tensor parallelism too, a resume continues bit
 for bit, and the sharded state of adamw8bit and muon saved by 2 FSDP2 ranks resumes on one.
@@ -66,7 +66,7 @@ def _spec(run_dir: Path, world: int, args: tuple[str, ...], resume: Path | None 
 def _worker(rank: int, jobs: list[tuple[int, RunSpec]], root: str) -> None:
     """Each job in a process group of its own (worker_main leaves it destroyed), met through a
     file rather than a port that another test on the machine could take first."""
-    from duoka.train.worker import worker_main
+    from duoka.train.entrypoint import worker_main
 
     torch.set_num_threads(1)  # the two processes share the test machine's cores
     os.environ["RANK"] = str(rank)  # where worker_main files an error report

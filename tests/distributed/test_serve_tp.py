@@ -18,11 +18,11 @@ import torch.multiprocessing as mp
 from duoka.models.qwen2.args import ModelArgs
 from duoka.models.qwen2.hf_adapter import load_hf_model, read_config, save_hf_checkpoint
 from duoka.models.qwen2.model import build_model, materialize
-from duoka.parallel.serve_tp import load_tp_model, local_kv_heads
+from duoka.serve.tp_shard import load_tp_model, local_kv_heads
 from duoka.serve.engine import LLM
 from duoka.serve.params import SamplingParams
 from duoka.serve.runner import CacheShape, ModelRunner, StepInputs
-from duoka.serve.tp import broadcast_step, worker_loop
+from duoka.serve.step_channel import broadcast_step, worker_loop
 
 BLOCK = 4
 PROMPT = 10  # prefill tokens; one decode step follows

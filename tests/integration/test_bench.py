@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from duoka.bench import layout_overrides, run_peer, summarize
+from duoka.bench.training import layout_overrides, run_peer, summarize
 from duoka.errors import DuokaError
 
 

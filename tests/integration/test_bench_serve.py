@@ -22,8 +22,8 @@ import httpx2 as httpx
 import pytest
 
 from duoka.hub import bundled_model_dir
-from duoka.parallel.ports import free_port
-from duoka.serve import loadgen
+from duoka.host.ports import free_port
+from duoka.bench import loadgen
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = str(bundled_model_dir())  # served under its folder's path, so the bench finds its vocabulary

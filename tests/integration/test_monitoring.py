@@ -7,7 +7,7 @@ import subprocess
 import time
 import urllib.request
 
-from duoka.parallel.ports import free_port
+from duoka.host.ports import free_port
 
 
 def scrape(port: int) -> dict[str, float]:

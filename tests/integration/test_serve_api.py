@@ -27,7 +27,7 @@ import torch
 
 from duoka.data.tokenizer import load_tokenizer
 from duoka.hub import bundled_model_dir
-from duoka.parallel.ports import free_port
+from duoka.host.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "test-key-123"

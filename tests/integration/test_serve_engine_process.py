@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx2 as httpx
 import pytest
 
-from duoka.parallel.ports import free_port
+from duoka.host.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 90

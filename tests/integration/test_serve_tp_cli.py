@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from duoka.parallel.ports import free_port
+from duoka.host.ports import free_port
 from duoka.serve.engine import LLM
 from duoka.serve.params import SamplingParams
 

@@ -1,9 +1,9 @@
-"""duoka.parallel.balance: shares, micro-batch plans, the decision rule, parsing."""
+"""duoka.train.load_balance: shares, micro-batch plans, the decision rule, parsing."""
 
 import pytest
 
 from duoka.errors import DuokaError
-from duoka.parallel.balance import (
+from duoka.train.load_balance import (
     SETTLE_STEPS,
     Balancer,
     micro_batch_sizes,
@@ -84,7 +84,7 @@ def test_parsing_errors_name_the_fix():
 def test_balance_refuses_model_parallel_layouts_and_static_without_weights():
     """The launcher runs this check before any worker starts (duoka/launcher.py)."""
     from duoka.config import load_config
-    from duoka.parallel.balance import check_config
+    from duoka.train.load_balance import check_config
 
     cfg = load_config(None, ["--parallel.pp=2", "--parallel.balance=auto"])
     with pytest.raises(DuokaError, match="pp_layers=measured"):

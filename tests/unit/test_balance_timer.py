@@ -8,8 +8,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from duoka.parallel import block_timer
-from duoka.parallel.block_timer import BlockTimer
+from duoka.train import block_timer
+from duoka.train.block_timer import BlockTimer
 
 
 @pytest.fixture

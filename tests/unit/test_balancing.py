@@ -5,7 +5,7 @@ import torch
 
 from duoka.config import load_config
 from duoka.parallel.dims import ParallelDims
-from duoka.train.balancing import LoadBalancing
+from duoka.train.load_balance import LoadBalancing
 from duoka.train.console import Silent
 
 

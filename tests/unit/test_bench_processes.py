@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from duoka.bench import run_process_group
+from duoka.bench.training import run_process_group
 from duoka.errors import DuokaError
 
 # A launcher that starts a worker of its own and waits, as torchrun does.

@@ -23,8 +23,8 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import ModelArgs
 from duoka.models.qwen2.model import build_model, materialize
-from duoka.train import checkpoint
-from duoka.train.checkpoint import (
+from duoka.train import checkpoint_io as checkpoint
+from duoka.train.checkpoint_io import (
     async_stager,
     choose_resume_checkpoint,
     load_checkpoint,

@@ -1,4 +1,4 @@
-"""Cluster detection (duoka/parallel/cluster.py) from the environments Slurm, a Kubernetes Indexed Job
+"""Cluster detection (duoka/launch/cluster.py) from the environments Slurm, a Kubernetes Indexed Job
 and Kubeflow's PyTorchJob set, explicit flags winning; Slurm's host list syntax; the sbatch
 script `duoka train --slurm-script` writes. The environments carry no PATH, so no scontrol:
 the host lists go through duoka's parser (tests/integration/test_slurm.py holds it against
@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from duoka.errors import DuokaError
-from duoka.launcher import run_directory
-from duoka.parallel.cluster import SLURM_WARNING_S, expand_hostlist, resolve_launch, slurm_script
+from duoka.launch.training import run_directory
+from duoka.launch.cluster import SLURM_WARNING_S, expand_hostlist, resolve_launch
+from duoka.launch.slurm_script import slurm_script
 
 # What srun sets for the task on the second of three nodes (Slurm 22.05, as printed by `env`
 # in a step), less what detection does not read.

@@ -1,7 +1,7 @@
 import pytest
 
 from duoka.errors import DuokaError
-from duoka.parallel.devices import GpuReading, compute_dtype_name, device_env, select_gpus
+from duoka.host.devices import GpuReading, compute_dtype_name, device_env, select_gpus
 
 GPUS = [GpuReading(0, "GPU-aaa", "H200", 70000, 143771, 95), GpuReading(1, "GPU-bbb", "H200", 500, 143771, 0),
         GpuReading(2, "GPU-ccc", "H200", 300, 143771, 0), GpuReading(3, "GPU-ddd", "H200", 20000, 143771, 40)]

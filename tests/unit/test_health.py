@@ -11,8 +11,7 @@ from torch import nn
 from duoka.config import ReliabilityConfig
 from duoka.errors import DuokaError
 from duoka.monitor.alerts import health_alerts
-from duoka.monitor.metrics import MetricsFile
-from duoka.monitor.sinks import PrometheusSink
+from duoka.monitor.sinks import MetricsFile, PrometheusSink
 from duoka.train.health import Health
 
 NAN, INF = math.nan, math.inf

@@ -12,19 +12,20 @@ PACKAGE = Path(__file__).resolve().parents[2] / "duoka"
 FLOORS = [
     ("duoka", "duoka.errors"),
     ("duoka.config", "duoka.timing", "duoka.runtime", "duoka.hub", "duoka.cache"),
+    ("duoka.host",),
     ("duoka.models",),
     ("duoka.data",),
     ("duoka.parallel",),
     ("duoka.monitor",),
     ("duoka.plan",),
     ("duoka.train", "duoka.serve"),
-    ("duoka.launcher", "duoka.doctor", "duoka.bench", "duoka.bench_serve"),
+    ("duoka.launch", "duoka.doctor", "duoka.bench"),
     ("duoka.cli",),
 ]
 # Function-level imports of duoka code, each for start-up time: `duoka --help` and the quick
-# commands load no torch, and the launcher imports torch only once its worker server (which
-# imports torch too) has started, so the two imports overlap.
-LAZY_ALLOWED = {"duoka.cli", "duoka.launcher"}
+# commands load no torch, and the training launch imports torch only once its worker server
+# (which imports torch too) has started, so the two imports overlap.
+LAZY_ALLOWED = {"duoka.cli", "duoka.launch.training"}
 
 
 def _group(module: str) -> str:

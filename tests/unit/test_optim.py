@@ -7,7 +7,8 @@ from duoka.config import OptimizerConfig
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import FLAVORS
 from duoka.models.qwen2.model import build_model, materialize
-from duoka.train.optim import effective_lr, lr_at, plan_batch
+from duoka.train.batch_plan import plan_batch
+from duoka.train.lr_schedule import effective_lr, lr_at
 from duoka.train.optimizers import build_optimizer, clip_to_norm
 
 

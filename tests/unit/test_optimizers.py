@@ -20,7 +20,7 @@ from duoka.models.qwen2.args import FLAVORS
 from duoka.models.qwen2.model import build_model, materialize
 from duoka.parallel.dims import ParallelDims
 from duoka.train.health import Health
-from duoka.train.optim import lr_at
+from duoka.train.lr_schedule import lr_at
 from duoka.train.optimizers import (
     TrainingOptimizer,
     WholeMatrixMuon,

@@ -10,7 +10,7 @@ from duoka.config import load_config
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import FLAVORS
 from duoka.plan.memory import GIB, Layout, estimate_memory, largest_fitting_micro_batch
-from duoka.plan.optimizers import (
+from duoka.plan.optimizer_costs import (
     HOST_ADAMW_BYTES_PER_S,
     PCIE_BYTES_PER_S,
     OptimizerChoice,

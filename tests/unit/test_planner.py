@@ -15,7 +15,7 @@ import pytest
 from duoka.config import load_config
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import FLAVORS, ModelArgs
-from duoka.parallel.devices import GpuReading
+from duoka.host.devices import GpuReading
 from duoka.plan.memory import (
     GIB,
     Layout,
@@ -332,7 +332,7 @@ def test_cli_tables_and_errors_in_process(capsys):
 
 
 def test_cli_without_gpus_on_a_gpu_less_machine():
-    from duoka.parallel.devices import read_gpus
+    from duoka.host.devices import read_gpus
 
     if read_gpus():
         pytest.skip("this machine has GPUs: flags left out are detected")

@@ -26,7 +26,7 @@ def test_exit_is_not_held_by_an_idle_thread_pool():
 def test_worker_main_gives_sigterm_back(monkeypatch, tmp_path):
     import torch
 
-    import duoka.train.worker as worker_module
+    import duoka.train.entrypoint as worker_module
     from duoka.train.spec import RunSpec
 
     class QuickTrainer:  # training happens while the worker's SIGTERM handler is installed

@@ -19,7 +19,7 @@ from duoka.errors import DuokaError
 from duoka.hub import bundled_model_dir
 from duoka.serve.api import _Server, build_app
 from duoka.serve.async_engine import AsyncEngine, Draining, EngineError, QueueFull
-from duoka.serve.metrics import ServeMetrics
+from duoka.serve.server_metrics import ServeMetrics
 from duoka.serve.params import RequestOutput, SamplingParams, TokenLogprob
 
 MODEL = "fake-qwen2"

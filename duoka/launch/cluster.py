@@ -1,6 +1,6 @@
 """Where `duoka train` runs: inside a Slurm job step, in a Kubernetes Indexed Job or Kubeflow
-PyTorchJob, or on a plain machine; and the text of the sbatch script that runs it under Slurm
-(launcher.write_slurm_script checks the run and writes it).
+PyTorchJob, or on a plain machine (the sbatch script that runs it under Slurm:
+launch/slurm_script.py).
 
 Detection reads only the environment the scheduler gave the process (and `scontrol show
 hostnames` to expand a Slurm host list). It supplies what the launch flags would say: the
@@ -23,14 +23,10 @@ line that says what was taken from where.
 from __future__ import annotations
 
 import itertools
-import os
 import re
-import shlex
 import shutil
 import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Mapping
 
 from duoka.errors import DuokaError
@@ -46,6 +42,18 @@ SCONTROL_TIMEOUT_S = 10  # `scontrol show hostnames` parses its argument locally
 # and save a checkpoint (a 7B model's state saves in 26-41 s on one H200 host, bench/results/
 # checkpoint_times.md); Slurm may send it up to 60 s earlier than asked.
 SLURM_WARNING_S = 120
+
+
+@dataclass(frozen=True)
+class LaunchFlags:
+    """`duoka train`'s launch flags as given; None: from the scheduler's environment where it
+    has them (resolve_launch), else the single-node default."""
+    nproc_per_node: int | None = None
+    nnodes: int | None = None
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    gpus: str | None = None
+    max_restarts: int = 0
 
 
 @dataclass(frozen=True)
@@ -309,66 +317,3 @@ def _int_var(env: Mapping[str, str], name: str) -> int:
     if not value.strip().isdigit():
         raise DuokaError(f"{name}={value!r} is not a number", f"unset {name}, or give the launch flags yourself")
     return int(value)
-
-
-# ---------------------------------------------------------------- the sbatch script
-
-
-def slurm_script(command: list[str], nnodes: int, gpus_per_node: int, job_name: str, workdir: Path,
-                 extra_options: list[str], written_by: str) -> str:
-    """An sbatch script that runs `command` (duoka train ... --checkpoint.resume=auto) once per
-    node and continues the same run after preemption, a requeue or the time limit."""
-    # (option, why): the reasons go on comment lines of their own, which every sbatch version skips.
-    options = [(f"--job-name={job_name}", None), (f"--nodes={nnodes}", None),
-               ("--ntasks-per-node=1", "one duoka train per node: it starts the node's workers itself")]
-    if gpus_per_node:
-        options.append((f"--gpus-per-node={gpus_per_node}", None))
-    options += [
-        ("--exclusive", "whole nodes: every CPU and GPU of a node goes to its one duoka train"),
-        ("--mem=0", "and all of each node's memory"),
-        ("--requeue", "preemption and node failure put the job back in the queue"),
-        (f"--signal=B:USR1@{SLURM_WARNING_S}", "the time-limit warning, to this script (below)"),
-        ("--open-mode=append", "a requeued job adds to its output file instead of truncating it"),
-        (f"--chdir={workdir}", None),
-        *((option, None) for option in extra_options),
-    ]
-    directives = []
-    for option, why in options:
-        directives += ([f"# {why}"] if why else []) + [f"#SBATCH {option}"]
-    lines = [
-        "#!/bin/bash",
-        f"# duoka train on {nnodes} node(s) as a Slurm batch job; submit it with sbatch.",
-        f"# Written by: {written_by}",
-        "#",
-        "# Preemption, `scontrol requeue` and scancel send SIGTERM to every node's duoka train, which",
-        "# finishes its step and saves a checkpoint (Slurm's KillWait or the preemption GraceTime must",
-        "# cover a save). Ahead of the time limit Slurm signals this script, which asks the nodes to save",
-        "# the same way and requeues the job. A requeued job keeps its id, so its run directory",
-        "# (runs/<model>-slurm-<id> unless job.output_dir is set), and --checkpoint.resume=auto continues",
-        "# there from the newest intact checkpoint. Options added with --sbatch come last and win.",
-        *directives,
-        "",
-        "warned=0",
-        "# The time-limit warning: SIGTERM to the job's steps (every node's duoka train), not to this",
-        "# shell; once they have saved, the job goes back in the queue (below).",
-        "trap 'warned=1; scancel --signal=TERM \"$SLURM_JOB_ID\"' USR1",
-        "# A cancel or requeue signals this shell too: it waits for the steps to save before ending.",
-        "trap ':' TERM",
-        f'srun --cpus-per-task="$SLURM_CPUS_ON_NODE" {shlex.join(command)} &',
-        "step=$!",
-        "# A trapped signal ends `wait` early: wait again until the step has exited.",
-        'wait "$step"; code=$?',
-        'while kill -0 "$step" 2>/dev/null; do wait "$step"; code=$?; done',
-        "# Stopped by the warning before its last step: continue in a new allocation.",
-        'if [ "$warned" = 1 ] && [ "$code" -ne 0 ]; then scontrol requeue "$SLURM_JOB_ID"; fi',
-        'exit "$code"',
-        "",
-    ]
-    return "\n".join(lines)
-
-
-def duoka_command() -> list[str]:
-    """How the batch job starts this installation of duoka: its own `duoka` script when it sits
-    beside this interpreter (the same environment), else this interpreter with -m duoka.cli."""
-    script = Path(sys.executable).parent / "duoka"
-    return [str(script)] if script.is_file() and os.access(script, os.X_OK) else [sys.executable, "-m", "duoka.cli"]

@@ -3,7 +3,7 @@ beside the transformers peer in the same call.
 
 The server is either one already running (--url) or a `duoka serve` this command starts on
 a free port in a session of its own and stops with SIGTERM at the end (a stopped
-benchmark stops it too). The client (duoka/serve/loadgen.py) sends a fixed workload: the
+benchmark stops it too). The client (duoka/bench/loadgen.py) sends a fixed workload: the
 peer's random token-id prompts (or a JSONL of prompts), all at once, at most N in flight, or
 as Poisson arrivals; then, with --batch1, one request alone. With --vs-peer the peer script
 (../shared/peer/hf_qwen2_serve_baseline.py, else .peer/ in the repository) runs the same
@@ -31,8 +31,8 @@ import httpx2 as httpx
 from duoka import __version__
 from duoka.errors import DuokaError
 from duoka.hub import bundled_model_dir, resolve_model_dir
-from duoka.parallel.ports import free_port
-from duoka.serve import loadgen
+from duoka.host.ports import free_port
+from duoka.bench import loadgen
 
 ROOT = Path(__file__).resolve().parents[1]
 PEER_SCRIPT = "hf_qwen2_serve_baseline.py"

@@ -22,9 +22,10 @@ import torch
 import torch.distributed as dist
 
 from duoka.errors import DuokaError
-from duoka.parallel.lifetime import die_with_launcher, leave_after_return
-from duoka.train.checkpoint import find_resume_checkpoint, read_train_state
-from duoka.train.spec import RunSpec, error_report_path, write_error_report
+from duoka.host.lifetime import die_with_launcher, leave_after_return
+from duoka.train.checkpoint_io import find_resume_checkpoint, read_train_state
+from duoka.train.run_files import error_report_path, write_error_report
+from duoka.train.spec import RunSpec
 from duoka.train.trainer import Trainer
 from duoka.train.watchdog import process_group_timeout
 

@@ -21,9 +21,9 @@ from duoka.errors import DuokaError
 from duoka.monitor.alerts import Alert, health_alerts
 from duoka.monitor.alerts import check as check_alerts
 from duoka.monitor.gpu import GpuSample, GpuSampler, decode_clock_reasons, index_of_uuid, load_nvml
-from duoka.monitor.metrics import MetricsFile, mfu
-from duoka.monitor.sinks import PrometheusSink, TensorBoardSink
-from duoka.train.spec import RESTARTS_LOG
+from duoka.monitor.mfu import mfu
+from duoka.monitor.sinks import MetricsFile, PrometheusSink, TensorBoardSink
+from duoka.train.run_files import RESTARTS_LOG
 
 # GpuSample fields carried per rank; the two masks are decoded into word lists in the record.
 GPU_FIELDS = ("index", "utilization_pct", "memory_used_bytes", "memory_total_bytes", "temperature_c", "power_w",

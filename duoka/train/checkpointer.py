@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from duoka.train.checkpoint import async_stager, load_checkpoint, save_checkpoint
+from duoka.train.checkpoint_io import async_stager, load_checkpoint, save_checkpoint
 from duoka.train.step_end import sync_debug
 
 
