@@ -9,6 +9,19 @@ memory-efficient; GQA through enable_gqa, or with repeated KV heads where a back
 it), flex attention (compiled) and flash varlen with one document per row. Each output is
 compared with the flash result (cuDNN's with --fa4), output and the gradients of
 q, k and v. Times are CUDA-event medians of 10 runs after 3 warm-up runs.
+Reproduces bench/results/attention_kernels.md, which docs/config.md (`attention_kernel`) and
+docs/performance.md cite (device kind nvidia-h200, nothing carried but the repository).
+
+    python bench/attention_kernels.py --compile-check
+
+--compile-check answers another question (bench/NOTES.md section 16, docs/performance.md
+"What makes the difference"): does a compiled function honour the SDPA kernel choice? Causal
+GQA attention (1.5B's heads, 2 x 2048 tokens), forward + backward, profiled; it prints the
+attention kernels that ran. The same function is compiled under PyTorch's process-wide
+switches set to flash only, then (after torch._dynamo.reset()) to cuDNN only; then with the
+choice made inside the function by sdpa_kernel(), as duoka's model does
+(Attention.sdpa_backend). Run it in a fresh process: the compile caches persist. (It was
+bench/sdpa_compile_check.py.)
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.profiler import ProfilerActivity, profile
 
 from duoka.models.qwen2.args import FLAVORS
 from duoka.models.qwen2.model import Varlen, _varlen_attention
@@ -54,13 +68,69 @@ def fa4(q, k, v):
     return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
 
 
+# ---------------------------------------------------------------- --compile-check
+
+
+def attention_kernels(fn, *args) -> list[str]:
+    """The attention kernels one profiled forward + backward of fn(*args) ran (after one unprofiled)."""
+    fn(*args).sum().backward()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn(*args).sum().backward()
+        torch.cuda.synchronize()
+    words = ("flash", "fmha", "sdpa", "cudnn", "attention", "efficient")
+    return sorted({e.key[:70] for e in prof.key_averages() if any(w in e.key.lower() for w in words)})
+
+
+def switches(backend: SDPBackend) -> None:
+    """PyTorch's process-wide SDPA switches: only `backend` on."""
+    torch.backends.cuda.enable_flash_sdp(backend == SDPBackend.FLASH_ATTENTION)
+    torch.backends.cuda.enable_cudnn_sdp(backend == SDPBackend.CUDNN_ATTENTION)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_math_sdp(False)
+
+
+def compile_check() -> None:
+    def plain(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    def chosen(backend):
+        def fn(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return fn
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, h, 2048, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
+               for h in (12, 2, 2))
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        switches(backend)
+        torch._dynamo.reset()
+        print(f"switches {backend.name}, compiled: {attention_kernels(torch.compile(plain), q, k, v)}")
+    switches(SDPBackend.FLASH_ATTENTION)
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+        torch._dynamo.reset()
+        print(f"sdpa_kernel({backend.name}) inside, compiled: "
+              f"{attention_kernels(torch.compile(chosen(backend)), q, k, v)}")
+
+
+# ---------------------------------------------------------------- the kernel table
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out", help="the JSON of the kernel table (required unless --compile-check)")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--fa4", action="store_true",
                     help="compare FlashAttention-4 (the flash-attn-4 package, called directly) with cuDNN only")
+    ap.add_argument("--compile-check", action="store_true",
+                    help="only print which attention kernels a compiled function runs under each way of choosing")
     args = ap.parse_args()
+    if args.compile_check:
+        compile_check()
+        return
+    if not args.out:
+        ap.error("--out is required (or give --compile-check)")
     torch._dynamo.config.recompile_limit = 64  # flex is specialised per shape: 9 shapes x grad modes
     flex = torch.compile(flex_attention, dynamic=False)
     results = []

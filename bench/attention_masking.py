@@ -8,6 +8,12 @@ backend of duoka.models.qwen2.model.document_mask (sdpa dense mask, flex block m
 flash varlen), eager and with each decoder block compiled. "causal" (no document mask,
 attention crosses documents) is the speed ceiling, not an exact alternative. Every
 backend's loss and logits are compared with the sdpa backend's on the same batch.
+
+Reproduces bench/results/attention_masking.md, which docs/config.md (`document_masking_kernel`)
+and docs/training.md (document masking) cite; device kind nvidia-h200-x2 (one of its GPUs) or
+nvidia-h200, from the repository root:
+
+    CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD python bench/attention_masking.py --out $OUT/attention_masking.json
 """
 
 from __future__ import annotations

@@ -6,7 +6,19 @@ auto, against the ideal (the sum of each GPU's solo speed under the same slowdow
 Slowdown by the option (`--debug.slow_ranks=1:0.5`) and, with --competitor, by a real
 competing process running bf16 matrix products on GPU 1. Throughput is taken over the
 last --last steps, from the second step on the final shares at the earliest (auto), or the
-same late steps (off).
+same late steps (off). Reproduces bench/results/balance_gpu.md (runs 10-12: device kind
+nvidia-h200-x2, `--competitor --steps 30`), which README.md ("Load balancing") and
+docs/training.md ("Load balancing") cite.
+
+    python bench/balance_gpu.py --one-gpu --out $OUT/balance_one_gpu.json
+
+--one-gpu (one GPU; it was bench/balance_one_gpu.py): does the balancer's measured speed
+follow the whole step's? Four runs of the model (compiled, micro-batch 8, global batch 32,
+24 steps, the last 12 timed): plain; with the balance timer on; slowed by
+`--debug.slow_ranks=0:0.5`; sharing the GPU with a competing matmul loop. For the last two,
+the ratio of the timer's speed to the timed-only run's should equal the ratio of their
+tokens/s: that is what lets the balancer pick the right shares on 2 GPUs
+(`balance_one_gpu.run*.json`; balance_gpu.md, "One-GPU check of the change").
 """
 
 from __future__ import annotations
@@ -14,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -80,13 +93,59 @@ def _rate(recs: list[dict]) -> float:
     return sum(r["tokens_per_s"] * r["step_time_s"] for r in recs) / sum(r["step_time_s"] for r in recs)
 
 
+TIMER = ["--parallel.balance=static", "--parallel.balance_weights=1"]  # the block timer on, shares fixed
+
+
+def one_gpu(a: argparse.Namespace) -> None:
+    """--one-gpu: the timer's speed ratio against the whole step's, on one GPU."""
+    work = Path(tempfile.mkdtemp(prefix="duoka-balance1-"))
+    only = set(a.only.split(",")) if a.only else None
+    result: dict = {"model": a.model, "steps": a.steps, "timed_last": a.last, "cases": {}}
+    for name, extra, competitor in (("plain", [], False), ("timer", TIMER, False),
+                                    ("timer_slow_option", [*TIMER, "--debug.slow_ranks=0:0.5"], False),
+                                    ("timer_competitor", TIMER, True)):
+        if only is not None and name not in only:
+            continue
+        comp = None
+        if competitor:
+            comp = subprocess.Popen([sys.executable, "-c", COMPETITOR.format(seconds=300)])
+            time.sleep(5)
+        try:
+            recs = train(work / name, a.model, 1, [*extra, *(f"--{kv}" for kv in a.set)], a.steps, "0",
+                         a.micro_batch, a.window, a.seq, [] if a.eager else ["--training.compile=true"])
+        finally:
+            if comp is not None:
+                comp.kill()
+                comp.wait(timeout=60)  # gone from the GPU before the next case starts
+        tail = recs[-a.last:]
+        speeds = [r["balance"]["speed"][0] for r in tail if r.get("balance")]
+        result["cases"][name] = {"tokens_per_s": throughput(recs, a.last),
+                                 "timer_speed": statistics.median(speeds) if speeds else None,
+                                 "step_time_s": [r["step_time_s"] for r in recs],
+                                 "phase_s": [r.get("phase_s") for r in recs]}
+        shown = {k: v for k, v in result["cases"][name].items() if k in ("tokens_per_s", "timer_speed")}
+        print(name, json.dumps(shown), flush=True)
+        Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    c = result["cases"]
+    base = c.get("timer")
+    for name in ("timer_slow_option", "timer_competitor"):
+        if base is None or name not in c:
+            continue
+        result[name] = {"whole_step_ratio": c[name]["tokens_per_s"] / base["tokens_per_s"],
+                        "timer_ratio": c[name]["timer_speed"] / base["timer_speed"]}
+    if base is not None and "plain" in c:
+        result["timer_overhead"] = 1 - base["tokens_per_s"] / c["plain"]["tokens_per_s"]
+    Path(a.out).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "cases"}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--model", default="qwen2-0.5b")
     ap.add_argument("--micro-batch", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--last", type=int, default=8, help="timed steps at the end")
+    ap.add_argument("--steps", type=int, default=None, help="steps per run (default 20; --one-gpu: 24)")
+    ap.add_argument("--last", type=int, default=None, help="timed steps at the end (default 8; --one-gpu: 12)")
     ap.add_argument("--window", type=int, default=4)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--eager", action="store_true", help="no torch.compile (run 1 was eager and launch-bound)")
@@ -94,8 +153,15 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated case names (default: all)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override for every case, e.g. parallel.dp_mode=fsdp (repeatable)")
+    ap.add_argument("--one-gpu", action="store_true",
+                    help="instead: the one-GPU check of the balancer's timer (plain, timer, slowed, competitor)")
     a = ap.parse_args()
+    a.steps = a.steps or (24 if a.one_gpu else 20)
+    a.last = a.last or (12 if a.one_gpu else 8)
     stop_process_groups_on_signal()
+    if a.one_gpu:
+        one_gpu(a)
+        return
     work = Path(tempfile.mkdtemp(prefix="duoka-balance-"))
     result = {"model": a.model, "micro_batch": a.micro_batch, "steps": a.steps, "timed_last": a.last,
               "set": a.set, "cases": {}}

@@ -8,6 +8,14 @@ thread per rank and then by four; (2) resume from step 4 to step 5 (restore time
 more synchronous save); (3) 8 fresh steps with asynchronous checkpoints at 2, 4, 6, 8. A dd
 run gives the disk's own write speed for scale. The "blocked" figure is how long the training
 loop waited for each save (sync: the whole write; async: the copy to host memory).
+
+Reproduces bench/results/checkpoint_times.md, which docs/training.md (checkpoints),
+docs/cluster.md and docs/config.md (`write_threads`) cite; from the repository root:
+
+    # nvidia-h200-x2, one of its GPUs; then nvidia-h200
+    CUDA_VISIBLE_DEVICES=1 PYTHONPATH=$PWD python bench/checkpoint_times.py --flavor qwen2-1.5b \
+        --out $OUT/checkpoint_times.json
+    PYTHONPATH=$PWD python bench/checkpoint_times.py --flavor qwen2-1.5b --phases async --out $OUT/checkpoint_async.json
 """
 
 from __future__ import annotations

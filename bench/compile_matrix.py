@@ -19,6 +19,13 @@ launches that would overrun --budget-s are skipped (recorded as such).
     # CPU smoke test (auto compiles on CUDA only, so compile is forced):
     python bench/compile_matrix.py --out /tmp/m.json --model debug --seq 64 --micro-batch 2 --steps 4 \\
         --compile true --case ddp
+
+Reproduces bench/results/compile_matrix/ (the table in bench/NOTES.md section 21), which
+README.md ("Benchmarking": the untuned default's 131,295 tok/s) and docs/training.md
+(compile) cite: device kind nvidia-h200, from the repository root, torchao carried as a
+wheel for the float8 case:
+
+    PYTHONPATH=$PWD timeout 575 python3 bench/compile_matrix.py --out $OUT/compile_matrix.json --budget-s 545
 """
 
 from __future__ import annotations

@@ -37,6 +37,18 @@ global number of target tokens, which is how the trainer writes `loss` to metric
 Output JSON: flavor, steps, seq, micro_batch, global_batch, nproc, duoka_flags, the two
 loss curves, their means over the last 10 steps, the relative difference of those means
 and whether it is within 1%, wall times; plus lr and gradient-norm curves for diagnosis.
+
+Reproduces docs/performance.md's "Correctness of the fast path" and float8 loss figures and
+their plots (bench/results/convergence*.json, drawn by bench/plot_convergence.py), which
+docs/training.md cites too; device kind nvidia-h200-x2, from the repository root:
+
+    PYTHONPATH=$PWD python bench/convergence.py --workdir /tmp/conv --out $OUT/convergence.json \
+        --layout-flags "--parallel.dp_mode=ddp --training.compile=true --training.attention_kernel=cudnn"
+    PYTHONPATH=$PWD python bench/convergence.py --out $OUT/convergence_float8.json --layout-flags \
+        "--parallel.dp_mode=fsdp --parallel.reshard_after_forward=false --training.compile=true \
+        --training.fused_loss=true --training.float8=tensorwise"
+
+tests/integration/test_convergence_script.py runs the CPU form above.
 """
 
 from __future__ import annotations

@@ -1,13 +1,17 @@
-"""duoka LoRA against transformers + PEFT (../shared/peer/hf_qwen2_lora_baseline.py) on one GPU,
-in one device call: tokens/s and peak memory at the same rank, targets and micro-batch (issue 26).
+"""duoka LoRA against transformers + PEFT (bench/peers/lora_peer.py) on one GPU, in one device
+call: tokens/s and peak memory at the same rank, targets and micro-batch. Reproduces the LoRA
+table of docs/performance.md ("LoRA and QLoRA") and docs/lora.md's "Speed"
+(bench/results/lora/lora_vs_peer.run*.json); device kind nvidia-h200, from the repository root:
 
-    PYTHONPATH=$PWD timeout 590 python3 bench/lora_vs_peer.py --peer .peer/hf_qwen2_lora_baseline.py \
-        --out $OUT/lora_vs_peer.json
+    PYTHONUNBUFFERED=1 PYTHONPATH=$PWD timeout 580 python3 bench/lora_vs_peer.py --out $OUT/lora_vs_peer.json \
+        --case peer:7b:4 --case duoka:7b:4 --case peer:1.5b:8 --case duoka:1.5b:8 --case duoka:7b:2:4096
+    # CPU check of the script itself:
+    python3 bench/lora_vs_peer.py --out /tmp/l.json --case duoka:debug:2:64 --case peer:tiny:2:64
 
 Both sides: random bf16 weights, random tokens, LoRA rank 16 with alpha 32 and no dropout on
 all seven linear layers of every block (PEFT's `all-linear`; the head frozen), AdamW on the
 adapters only, seq 2048, one process. The peer runs its default 3 warm-up + 8 timed steps
-with each decoder layer compiled (its best configuration in design.md); duoka runs
+with each decoder layer compiled (its best configuration, lora_peer.py's table); duoka runs
 `duoka train` for as many steps (`--lora.rank=16 --data.path=random`, compiled, the fused
 chunked loss) and both figures are the median step's tokens/s (the peer's own statistic);
 duoka's mean over the timed steps is recorded beside it. Peak memory: the peer's
@@ -90,7 +94,7 @@ def run_peer(peer: Path, model: str, mbs: int, seq: int, timeout: int) -> dict:
     cmd = [sys.executable, str(peer), f"--model={model}", f"--rank={RANK}", f"--mbs={mbs}", f"--seq={seq}",
            f"--steps={TIMED}", f"--warmup={WARMUP}", "--compile"]
     t = time.perf_counter()
-    # The peer imports its sibling hf_qwen2_baseline.py: run it from its folder.
+    # The peer imports its sibling qwen2_shapes.py (found beside the script); run it from its folder.
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=peer.parent)
     wall = time.perf_counter() - t
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -104,7 +108,7 @@ def run_peer(peer: Path, model: str, mbs: int, seq: int, timeout: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--peer", type=Path, default=ROOT.parent / "shared" / "peer" / "hf_qwen2_lora_baseline.py")
+    p.add_argument("--peer", type=Path, default=ROOT / "bench" / "peers" / "lora_peer.py")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--case", action="append", default=[], help="side:model:micro-batch[:seq], e.g. duoka:7b:4 "
                    f"(default: {' '.join(DEFAULT_CASES)})")

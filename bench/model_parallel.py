@@ -10,6 +10,14 @@ tokens, seq 2048, bf16, eager blocks, global batch --global-batch (the same for 
 case: accumulation fills the difference), checkpoints off. Figures are medians over the
 steps after the first two; peak memory is the largest torch.cuda.max_memory_allocated()
 of any rank in any step.
+
+Reproduces bench/results/model_parallel.md and .json, which docs/training.md (model
+parallelism) and docs/plan.md (the tensor-parallel cost constant) cite; device kind
+nvidia-h200-x2, from the repository root:
+
+    PYTHONPATH=$PWD python bench/model_parallel.py --out $OUT/model_parallel.json --timeout 100 \
+        --case qwen2-7b:fsdp:2 --case qwen2-7b:tp2:2 --case qwen2-7b:pp2:2 --case qwen2-1.5b:tp2:4 \
+        --case qwen2-0.5b:pp2:4 --case qwen2-1.5b:fsdp:4 --case qwen2-0.5b:ddp:4
 """
 
 from __future__ import annotations

@@ -10,6 +10,11 @@ monitoring on tokens/s.
 2. Overhead: `duoka bench` cases alternating monitoring on (as above) and off
    (no TensorBoard, no endpoint, no alerts, NVML read once an hour), in pairs so drift
    in the GPUs' clocks falls on both sides. Written: overhead.json.
+
+Reproduces bench/results/monitoring/ (its README), which docs/monitoring.md ("Measured on
+2 x H200") and docs/images/ cite; device kind nvidia-h200-x2, from the repository root:
+
+    PYTHONPATH=$PWD python bench/monitoring_gpu.py --out-dir $OUT/monitoring --steps 30 --pairs 2 --timed-steps 12
 """
 
 from __future__ import annotations

@@ -26,6 +26,9 @@ whose estimate would end past --budget-s is skipped and recorded as such.
     # CPU smoke test of the script itself:
     python bench/optimizers_7b.py --out /tmp/o.json --model debug --seq 64 --steps 4 --compile false \\
         --case adamw:2:none --case muon:2:none
+
+docs/training.md (optimizers) names this script as the GPU run its optimizer figures still
+wait for (device kind nvidia-h200); bench/plot_optimizers.py draws the curves of --mode curves.
 """
 
 from __future__ import annotations

@@ -17,6 +17,10 @@ Several GPUs (DDP or FSDP over all of them): one point per run, under
 themselves).
 A point is FLAVOR:LAYOUT:MICRO_BATCH:SEQ:AC:ACCUMULATION with LAYOUT single, ddp or fsdp
 and AC none or full.
+
+Reproduces bench/results/plan_memory.md and .json, which docs/plan.md (memory) cites and
+tests/unit/test_planner.py reads; device kinds nvidia-h200 (the one-GPU points) and
+nvidia-h200-x2 (the torchrun points); the exact commands are in plan_memory.md.
 """
 
 from __future__ import annotations

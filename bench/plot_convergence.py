@@ -5,6 +5,9 @@ step by step.
 
 Needs matplotlib (a developer-machine tool: `pip install matplotlib`; duoka itself does not
 depend on it).
+
+It draws docs/performance.md's loss plots, bench/results/convergence.png and
+convergence_float8.png, from bench/convergence.py's JSON.
 """
 
 from __future__ import annotations

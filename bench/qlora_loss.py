@@ -22,6 +22,10 @@ memory the largest per-step peak (metrics.jsonl).
 --speed-case 7b:4:2048 adds QLoRA's speed and memory on Qwen2-7B (random weights and tokens,
 rank 16, micro-batch 4, seq 2048, compiled) through bench/lora_vs_peer.py's runner, the one
 its LoRA cases run through (`--speed-case debug:2:64` checks it on a CPU).
+
+Reproduces docs/lora.md's and docs/performance.md's QLoRA figures (bench/results/lora/
+qlora_loss.json); bench/lora_qlora.sh runs it in its device call (nvidia-h200, torchao's wheel
+carried).
 """
 
 from __future__ import annotations

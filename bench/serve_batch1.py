@@ -10,6 +10,12 @@
 3. The engine at batch 1 (128-token prompt, 256 tokens): the step's wall time, the runner's
    replay alone (synchronised), and the kernels of the decode steps from torch.profiler
    (time per kernel name per step), whose sum against the wall time is the host's gap.
+
+Reproduces docs/performance.md "Serving"'s batch-1 breakdown (bench/results/serve/
+batch1_7b.run*.json); device kind nvidia-h200, from the repository root, .wheels carried as
+for bench/serve_vs_peer.sh:
+
+    python3 bench/serve_batch1.py --shape 7b --out $OUT/batch1_7b.json
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serve_models import SHAPES, make_folder, peer_workload  # noqa: E402
 
+from duoka.serve.config import EngineConfig  # noqa: E402
 from duoka.serve.engine import LLMEngine  # noqa: E402
 from duoka.serve.params import SamplingParams  # noqa: E402
 from duoka.serve.runner import decode_first, prepare_inputs  # noqa: E402
@@ -105,7 +112,7 @@ def engine_batch1(shape_name: str) -> dict:
     folder = make_folder(shape_name)
     vocab = SHAPES[shape_name]["vocab_size"]
     t0 = time.perf_counter()
-    engine = LLMEngine(folder, max_model_len=4096)
+    engine = LLMEngine(EngineConfig(model=folder, max_model_len=4096))
     res = {"start_s": time.perf_counter() - t0}
     prompt = peer_workload(1, 128, 128, vocab)[0]
 
@@ -135,7 +142,7 @@ def engine_batch1(shape_name: str) -> dict:
     for _ in range(20):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        engine.runner.execute(inputs)
+        engine.worker.runner.execute(inputs)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     res["execute_ms_median"] = sorted(times)[10] * 1000

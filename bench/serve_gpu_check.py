@@ -12,6 +12,12 @@
    against the plain forward over the whole sequences. Random weights give near-uniform
    logits, so greedy tokens would flip on bf16 rounding: logits are compared instead.
 3. For information: the serving peer's workload (256 requests) and batch-1 decode.
+
+Cited by docs/serving.md (the kernels the GPU path is checked against) and
+docs/performance.md "Serving" (the 0.5B engine figures, bench/results/serve/gpu_check_0.5b.run*.json);
+device kind nvidia-h200, from the repository root; bench/serve_gpu_smoke.sh runs it first:
+
+    python3 bench/serve_gpu_check.py --shape 0.5b --out $OUT/gpu_check_0.5b.json
 """
 
 from __future__ import annotations

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# One device call for issue 23's GPU checks: the engine and kernel checks, then `duoka serve`
-# and `duoka generate` on the GPU through their real commands.
-#   bash bench/serve_gpu_smoke.sh   (on the GPU machine, from the repository root; writes $OUT)
+# The serving engine's GPU checks in one device call: bench/serve_gpu_check.py (kernels and
+# logits against the reference, the 0.5B engine's speed), then `duoka generate` and `duoka serve`
+# on the GPU through their real commands (64 streamed requests through the openai client).
+# Reproduces docs/serving.md's "On one H200" figures (bench/results/serve/gpu_check_0.5b.*,
+# gpu_smoke_0.5b.*). Device kind nvidia-h200, from the repository root, carrying .wheels
+# (wheels of fastapi, uvicorn and openai and what they need that the device image lacks):
+#   bash bench/serve_gpu_smoke.sh   (writes $OUT)
 set -uo pipefail
 python3 -m pip install -q --no-build-isolation --no-deps -e . 2>&1 | tail -1
 python3 -m pip install -q --no-index --find-links .wheels fastapi uvicorn openai 2>&1 | tail -1

@@ -5,17 +5,21 @@ with the same shape of workload, and their output tokens/s must be within --tole
         --requests 256 --prompt-len 512 --out-len 256 --concurrency 64 --out $OUT/guidellm_check.json
     python bench/serve_guidellm_check.py --url http://127.0.0.1:8000 --tokenizer MODEL_FOLDER ...
 
-The shape: every prompt --prompt-len tokens (ours random token ids; guidellm's synthetic text
-of that many tokens under the model's tokenizer), --out-len output tokens (ignore_eos, which
-guidellm sends once it knows the output length), greedy (guidellm sends no temperature, so
-the server's default would sample: its requests get temperature 0 through `extras`, the
-value `duoka bench serve` and `vllm bench serve` send), --concurrency streams, --requests
-requests. `duoka bench serve` runs first (its warm-up request warms the server for both).
-guidellm must read every stream without an error; the ratio of the two output rates is the
-result. Exit 0 when they agree, 1 when not, 2 on a setup error.
+The shape: both clients send the same prompts (shared_prompts: --prompt-len tokens of the
+bundled corpus's documents, as text), --out-len output tokens each (ignore_eos, which guidellm
+sends once it knows the output length), greedy (guidellm sends no temperature, so the server's
+default would sample: its requests get temperature 0 through `extras`, the value `duoka bench
+serve` and `vllm bench serve` send), --concurrency streams each, --requests requests each, both
+clients at once (each sees the server in the same seconds: a CPU server's speed drifts by 20%
+from one run to the next). guidellm must read every stream without an error; the ratio of the
+two clients' output rates is the result.
+Exit 0 when they agree, 1 when not, 2 on a setup error.
 
 guidellm: `$GUIDELLM` or `guidellm` on PATH (pip install guidellm, best in a venv of its own:
 python -m venv --system-site-packages V && V/bin/pip install guidellm).
+
+Cited by docs/serving.md ("Measuring a server"); tests/integration/test_bench_serve.py
+imports it (guidellm against `duoka bench serve` on a CPU server).
 """
 
 from __future__ import annotations
@@ -32,24 +36,47 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from duoka.bench.serving import StartedServer  # noqa: E402
-from duoka.errors import DuokaError  # noqa: E402
-from duoka.hub import bundled_model_dir, resolve_model_dir  # noqa: E402
 from duoka.bench.loadgen import server_models  # noqa: E402
+from duoka.bench.serving import StartedServer  # noqa: E402
+from duoka.data.dataset import iter_documents  # noqa: E402
+from duoka.data.tokenizer import load_tokenizer  # noqa: E402
+from duoka.errors import DuokaError  # noqa: E402
+from duoka.hub import bundled_corpus, bundled_model_dir, resolve_model_dir  # noqa: E402
 
 
 def find_guidellm(given: str | None = None) -> str | None:
     return given or os.environ.get("GUIDELLM") or shutil.which("guidellm")
 
 
-def guidellm_command(guidellm: str, url: str, model: str, tokenizer: str, requests: int, prompt_len: int,
-                     out_len: int, concurrency: int, out_json: Path, api_key: str | None = None) -> list[str]:
+def shared_prompts(tokenizer: str, requests: int, prompt_len: int, out_len: int, path: Path) -> Path:
+    """The prompts both clients send, one JSON line each: the first prompt_len tokens of the
+    bundled corpus's documents as text, with the output length under both clients' names
+    (`max_tokens` for duoka bench serve, `output_tokens_count` for guidellm). The same texts:
+    on a CPU server the cost of a token depends on the text generated (random token ids ran
+    ~20% slower than guidellm's synthetic text), so different prompts made different loads."""
+    tok = load_tokenizer(tokenizer)
+    rows = []
+    for doc in iter_documents(bundled_corpus(), "text"):
+        ids = tok.encode(doc, add_special_tokens=False)
+        if len(ids) >= prompt_len:
+            rows.append({"prompt": tok.decode(ids[:prompt_len]), "max_tokens": out_len, "output_tokens_count": out_len})
+        if len(rows) == requests:
+            break
+    if len(rows) < requests:
+        raise DuokaError(f"the bundled corpus has only {len(rows)} documents of {prompt_len} tokens",
+                         "ask for fewer requests or shorter prompts")
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def guidellm_command(guidellm: str, url: str, model: str, tokenizer: str, prompts: Path, requests: int,
+                     concurrency: int, out_json: Path, api_key: str | None = None) -> list[str]:
     backend = {"kind": "openai_http", "target": url, "model": model, "request_format": "/v1/completions",
                "extras": {"body": {"temperature": 0}}, **({"api_key": api_key} if api_key else {})}
     return [guidellm, "run", "--backend", json.dumps(backend), "--profile", f"kind=concurrent,streams={concurrency}",
             "--constraint", f"kind=max_requests,count={requests}",
             "--tokenizer", json.dumps({"kind": "huggingface_auto", "model": tokenizer}),
-            "--data", f"kind=synthetic_text,prompt_tokens={prompt_len},output_tokens={out_len}",
+            "--data", f"kind=json_file,path={prompts}",
             "--output", json.dumps({"kind": "json", "path": str(out_json)}), "--disable-console"]
 
 
@@ -68,40 +95,50 @@ def read_guidellm(path: Path) -> dict:
             "itl_ms_median": metrics["inter_token_latency_ms"]["successful"]["median"]}
 
 
+def ours_command(url: str, model: str, prompts: Path, requests: int, out_len: int, concurrency: int,
+                 api_key: str | None) -> list[str]:
+    return [sys.executable, "-m", "duoka.cli", "bench", "serve", "--url", url, "--model-name", model, "--prompts",
+            str(prompts), "--requests", str(requests), "--out-len", str(out_len), "--concurrency", str(concurrency),
+            *(["--api-key", api_key] if api_key else [])]
+
+
+def run_both(ours_cmd: list[str], guidellm_cmd: list[str], out_json: Path, workers: int | None) -> tuple[dict, dict]:
+    """Both clients at once, on the same server: each sees the server as it is in the same
+    seconds (a CPU server's speed drifts by 20% from one run to the next, which made two runs
+    one after the other disagree by as much)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    if workers:  # on a CPU server, guidellm's worker processes poll and take cores from the server
+        env["GUIDELLM__MAX_WORKER_PROCESSES"] = str(workers)
+    theirs = subprocess.Popen(guidellm_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                              cwd=out_json.parent)
+    ours = subprocess.run(ours_cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          cwd=ROOT)
+    out, err = theirs.communicate()
+    if ours.returncode != 0:
+        raise DuokaError(f"duoka bench serve failed:\n{ours.stderr[-2000:]}", "run it by hand: " + " ".join(ours_cmd))
+    if theirs.returncode != 0 or not out_json.is_file():
+        raise DuokaError(f"guidellm failed ({theirs.returncode}):\n{(err or out)[-3000:]}",
+                         "run the guidellm command by hand: " + " ".join(guidellm_cmd))
+    return json.loads(ours.stdout), read_guidellm(out_json)
+
+
 def check(url: str, model: str, tokenizer: str, guidellm: str, requests: int, prompt_len: int, out_len: int,
           concurrency: int, tolerance: float, workers: int | None = None, api_key: str | None = None) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    ours_cmd = [sys.executable, "-m", "duoka.cli", "bench", "serve", "--url", url, "--model-name", model,
-                "--requests", str(requests), "--prompt-min", str(prompt_len), "--prompt-max", str(prompt_len),
-                "--out-len", str(out_len), "--concurrency", str(concurrency)]
-    config = Path(tokenizer) / "config.json"  # the random prompts' id range, when the server's name is no folder
-    if config.is_file():
-        ours_cmd += ["--vocab", str(json.loads(config.read_text())["vocab_size"])]
-    if api_key:
-        ours_cmd += ["--api-key", api_key]
-    ours_run = subprocess.run(ours_cmd, capture_output=True, text=True, env=env, cwd=ROOT)
-    if ours_run.returncode != 0:
-        raise DuokaError(f"duoka bench serve failed:\n{ours_run.stderr[-2000:]}", "run it by hand")
-    ours = json.loads(ours_run.stdout)
+    """Both clients at once on the same prompts, each with `concurrency` streams; the ratio of
+    their output rates. guidellm must read every stream whole."""
     with tempfile.TemporaryDirectory(prefix="guidellm-") as tmp:
+        prompts = shared_prompts(tokenizer, requests, prompt_len, out_len, Path(tmp) / "prompts.jsonl")
         out_json = Path(tmp) / "guidellm.json"
-        cmd = guidellm_command(guidellm, url, model, tokenizer, requests, prompt_len, out_len, concurrency, out_json,
-                               api_key)
-        genv = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        if workers:  # on a CPU server, guidellm's worker processes poll and take cores from the server
-            genv["GUIDELLM__MAX_WORKER_PROCESSES"] = str(workers)
-        run = subprocess.run(cmd, capture_output=True, text=True, env=genv, cwd=tmp)
-        if run.returncode != 0 or not out_json.is_file():
-            raise DuokaError(f"guidellm failed ({run.returncode}):\n{(run.stderr or run.stdout)[-3000:]}",
-                             "run the guidellm command by hand: " + " ".join(cmd))
-        theirs = read_guidellm(out_json)
+        cmd = guidellm_command(guidellm, url, model, tokenizer, prompts, requests, concurrency, out_json, api_key)
+        ours, theirs = run_both(ours_command(url, model, prompts, requests, out_len, concurrency, api_key), cmd,
+                                out_json, workers)
     totals = theirs["requests"]
     ratio = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
     agree = (totals["errored"] == 0 and totals["incomplete"] == 0 and totals["successful"] == requests
              and all(n == out_len for n in theirs["output_tokens"]) and abs(ratio - 1) <= tolerance)
     return {"agree": agree, "ratio_ours_over_guidellm": ratio, "tolerance": tolerance,
             "workload": {"requests": requests, "prompt_len": prompt_len, "out_len": out_len,
-                         "concurrency": concurrency},
+                         "concurrency": concurrency, "simultaneous": True},
             "duoka_bench_serve": {k: ours[k] for k in ("output_tokens_per_s", "total_tokens_per_s", "wall_s",
                                                        "completed", "failed", "ttft_ms", "itl_ms", "command")},
             "guidellm": {**{k: v for k, v in theirs.items() if k not in ("output_tokens", "prompt_tokens")},

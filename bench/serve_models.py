@@ -11,7 +11,7 @@ import torch
 from duoka.hub import bundled_model_dir
 from duoka.bench.loadgen import random_prompts
 
-# The serving peer's shapes (../shared/peer/hf_qwen2_serve_baseline.py).
+# The serving peer's shapes (bench/peers/qwen2_shapes.py, which bench/peers/serve_peer.py builds).
 SHAPES = {
     "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                  intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),

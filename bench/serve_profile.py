@@ -1,6 +1,10 @@
-"""Where a serving step's time goes on the GPU (exploration for issue 24's levers).
+"""The serving engine alone (LLM's engine in this process, no HTTP) on the serving peer's
+workload, and where a serving step's time goes on the GPU. Reproduces docs/performance.md
+"Serving", the "engine alone" rows (bench/results/serve/engine_7b.run1.json,
+profile_7b.run*.json); bench/serve_vs_peer.sh's `engine` part runs it (device kind
+nvidia-h200; the random model folder is made by bench/serve_models.py).
 
-    python bench/serve_profile.py --shape 7b --out $OUT/profile_7b.json [--cprofile]
+    python bench/serve_profile.py --shape 7b --out $OUT/engine_7b.json [--cprofile]
 
 Batch 1 (128-token prompt, 256 tokens): per-step wall time; then the peer's workload (256
 requests): wall time, steps, and the decode step's GPU time alone (runner.execute,
@@ -25,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serve_models import SHAPES, make_folder, peer_workload  # noqa: E402
 
+from duoka.serve.config import EngineConfig  # noqa: E402
 from duoka.serve.engine import LLMEngine  # noqa: E402
 from duoka.serve.params import SamplingParams  # noqa: E402
 
@@ -61,7 +66,7 @@ def main():
     a = ap.parse_args()
     res = {"shape": a.shape}
     folder = make_folder(a.shape)
-    engine = LLMEngine(folder, max_model_len=4096)
+    engine = LLMEngine(EngineConfig(model=folder, max_model_len=4096))
     vocab = SHAPES[a.shape]["vocab_size"]
     run(engine, peer_workload(4, vocab=vocab), 32, False)  # warm-up
 
@@ -104,7 +109,7 @@ def main():
     for _ in range(10):
         torch.cuda.synchronize()
         t = time.perf_counter()
-        engine.runner.execute(inputs)
+        engine.worker.runner.execute(inputs)
         torch.cuda.synchronize()
         gpu.append(time.perf_counter() - t)
     res["decode256_execute_ms"] = sorted(gpu)[5] * 1000

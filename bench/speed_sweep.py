@@ -8,7 +8,20 @@ A case is `MODEL LAYOUT MICRO_BATCH` and options: `seq=S`, `gb=G` (global batch)
 `steps=N`, `peer` (the transformers peer in the same call), `profile` (top kernels; the
 Chrome traces go to OUT_DIR/<case name>-trace/), `set:SECTION.KEY=VALUE` (extra train
 setting). Results: OUT_DIR/<case name>.json and a
-summary table OUT_DIR/summary.json.
+summary table OUT_DIR/summary.json. The peer is bench/peers/train_peer.py (--peer for another).
+
+It reproduces docs/performance.md's training tables (bf16 and float8 against the peer, one GPU,
+scaling; the record with every call's command: bench/results/speed.md), which README.md and
+docs/bench.md cite. The bf16 table's first four rows are session 8's call 1, its bf16 cases (device
+kind nvidia-h200-x2, from the repository root, PYTHONPATH=$PWD):
+
+    python bench/speed_sweep.py --out-dir $OUT/s8c1 --budget 540 \
+        --case "qwen2-7b fsdp+compile+noreshard 4 peer" --case "qwen2-1.5b fsdp+compile+noreshard 8 peer" \
+        --case "qwen2-0.5b fsdp+compile+noreshard 16 gb=32 peer" --case "qwen2-0.5b fsdp+compile+noreshard 8 peer"
+
+One profiled step of one GPU and its phases (what bench/profile_train.sh did, see git history;
+bench/results/profiles/): `--case "qwen2-0.5b ddp+compile 8 gpus=1 profile"`, then
+`python bench/trace_summary.py OUT_DIR/<case name>-trace/trace-rank0.json*`.
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ compute stream was busy inside that span and how long idle; the NCCL kernels' ti
 much of it ran while the compute stream was busy (overlapped) or not (exposed); and the
 median delay from a kernel's launch on the host to its start on the GPU. A median delay of
 a few microseconds means the GPU waits for the host (the step is host-bound there).
+
+docs/bench.md cites it (the per-phase breakdown of `duoka bench --profile`'s traces);
+bench/lora_vs_peer.py --profile-dir runs it on its profiled step.
 """
 
 from __future__ import annotations

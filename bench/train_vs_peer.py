@@ -1,7 +1,10 @@
-"""duoka train against the transformers peer (../shared/peer/hf_qwen2_baseline.py), same GPUs,
-same run: tokens/s/GPU, MFU and peak memory for a list of (model, layout, micro-batch) cases.
+"""duoka train against the transformers peer (bench/peers/train_peer.py), same GPUs, same run:
+tokens/s/GPU, MFU and peak memory for a list of (model, layout, micro-batch) cases, both sides
+eager (or both compiled). Reproduces bench/results/train_vs_peer.md (device kind
+nvidia-h200-x2, from the repository root), which README.md ("Measured") and docs/plan.md
+(the FSDP overhead constant) cite:
 
-    python bench/train_vs_peer.py --peer .peer/hf_qwen2_baseline.py --out results.json \
+    python bench/train_vs_peer.py --out $OUT/train_vs_peer.json \
         --case 0.5b:ddp:8 --case 0.5b:fsdp:8 --case 1.5b:ddp:4 --case 1.5b:fsdp:4 [--compile-case 0.5b:ddp:8]
 
 Both sides train on random tokens at seq 2048 in bf16 (duoka: `data.path=random`), one
@@ -76,7 +79,7 @@ def run_peer(peer: Path, model: str, layout: str, mbs: int, seq: int, steps: int
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--peer", type=Path, required=True)
+    p.add_argument("--peer", type=Path, default=ROOT / "bench" / "peers" / "train_peer.py")
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--case", action="append", default=[], help="MODEL:LAYOUT:MICRO_BATCH, e.g. 0.5b:ddp:8")
     p.add_argument("--compile-case", action="append", default=[], help="same, both sides with compile")

@@ -14,10 +14,9 @@ from pathlib import Path
 
 from duoka import __version__, runtime
 from duoka.cache import compile_cache_env
-from duoka.errors import DuokaError
+from duoka.errors import DuokaError, file_error
 from duoka.hub import bundled_model_dir
 
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEFAULT_PROMPT = "Return the"  # the bundled model read only standard-library docstrings
 
 
@@ -29,15 +28,13 @@ def log(message: str) -> None:
 
 
 def add_generate_parser(sub) -> None:
+    from duoka.serve.config import GENERATE, add_engine_flags
+
     p = sub.add_parser("generate", help="try a model on one prompt: a run's hf/step-N, a hub id or a folder; the "
                                         "text streams to stdout",
                        description="Generate a continuation of PROMPT on the serving engine (the one under `duoka "
                                    "serve`). Only the generated text goes to stdout; load and speed figures go to "
                                    "stderr.")
-    p.add_argument("--model", default=None,
-                   help="model folder or hub id (default: the tiny model bundled with duoka, or --adapter's base)")
-    p.add_argument("--adapter", default=None,
-                   help="a PEFT LoRA adapter folder (a LoRA run's hf/step-N), merged into the model's weights at load")
     p.add_argument("--prompt", default=None, help="prompt text (default: read stdin when it is not a terminal)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     p.add_argument("--system", default=None, help="system message for --chat")
@@ -49,10 +46,7 @@ def add_generate_parser(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true",
                    help="generate all --max-new-tokens even past the end-of-text token (a briefly trained model "
                         "often samples it early)")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto = bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="no compiled blocks and no CUDA graphs (GPU; slower, starts faster)")
+    add_engine_flags(p.add_argument_group("engine (docs/serving.md lists every option)"), GENERATE)
     p.set_defaults(func=run_generate)
 
 
@@ -67,6 +61,9 @@ def use_compile_cache() -> None:
 
 def run_generate(a: argparse.Namespace) -> int:
     use_compile_cache()
+    from dataclasses import replace
+
+    from duoka.serve.config import GENERATE, engine_config_from_args
     from duoka.serve.engine import LLMEngine
     from duoka.serve.params import SamplingParams
     params = SamplingParams(max_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k,
@@ -79,11 +76,10 @@ def run_generate(a: argparse.Namespace) -> int:
             raise DuokaError("no prompt given", 'pass --prompt "..." or pipe text on stdin')
         prompt = DEFAULT_PROMPT
 
-    model = a.model
-    if a.adapter is not None:
-        model = _adapter_base(Path(a.adapter), a.model)
-    engine = LLMEngine(model, device=a.device, dtype=a.dtype, max_num_seqs=1, cuda_graphs=not a.enforce_eager,
-                       compile=False if a.enforce_eager else None, log=log, adapter=a.adapter)
+    config = engine_config_from_args(a, GENERATE, max_num_seqs=1)  # one request: the smallest cache and graphs
+    if config.adapter is not None:
+        config = replace(config, model=_adapter_base(Path(config.adapter), config.model))
+    engine = LLMEngine(config, log=log)
     if a.chat:
         messages = ([{"role": "system", "content": a.system}] if a.system else []) + [{"role": "user", "content": prompt}]
         ids = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -127,74 +123,61 @@ def _steady_rate(stamps: list[float]) -> str:
 
 # ---------------------------------------------------------------- serve
 
-SERVE_DEFAULT_PORT = 8000  # vLLM's and the OpenAI clients' usual local port
 SERVE_API_KEY_ENV = "DUOKA_API_KEY"
 
 
 def add_serve_parser(sub) -> None:
+    from duoka.serve.config import (
+        DEFAULT_GRACE_S,
+        DEFAULT_HOST,
+        DEFAULT_MAX_QUEUE,
+        DEFAULT_PORT,
+        SERVE,
+        add_engine_flags,
+    )
+
     p = sub.add_parser("serve", help="deploy a model: an OpenAI-compatible HTTP API with continuous batching, on "
                                      "one or several GPUs (--tp)",
                        description="Serve a Qwen2 model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
                                    "/v1/completions, /v1/models, /health, /metrics) with continuous batching and a "
                                    "paged KV cache. SIGTERM or Ctrl-C drains: in-flight requests finish, then exit 0.")
-    p.add_argument("model", nargs="?", default=None,
-                   help="model folder, hub id or a training run's hf/step-N (default: the bundled tiny model)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size: one process per GPU (default 1)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=SERVE_DEFAULT_PORT)
-    p.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${SERVE_API_KEY_ENV}, else none)")
-    p.add_argument("--adapter", default=None,
-                   help="a PEFT LoRA adapter folder (a LoRA run's hf/step-N) merged into the model's weights at load; "
-                        "MODEL defaults to the base its adapter_config.json names (tp 1)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the model name clients send (default: MODEL, or the --adapter folder)")
-    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="share of GPU memory for weights and KV cache (default 0.9)")
-    p.add_argument("--max-queue", type=int, default=4096,
-                   help="requests that may wait for admission before new ones get 503 (default 4096)")
-    p.add_argument("--grace", type=float, default=25.0,
-                   help="seconds in-flight requests may finish after SIGTERM (default 25)")
-    p.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
-    p.add_argument("--dtype", default="auto", choices=DTYPES, help="auto = bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most requests in one step (default 256)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192,
-                   help="token budget of one step: prefill chunks beside the decodes (default 8192)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV-cache block (default 16)")
-    p.add_argument("--num-kv-blocks", type=int, default=None, help="a fixed KV-cache size in blocks (tests, tuning)")
-    p.add_argument("--no-prefix-caching", action="store_true", help="do not reuse the blocks of shared prompt prefixes")
-    p.add_argument("--enforce-eager", action="store_true",
-                   help="no compiled blocks and no CUDA graphs (GPU; slower, starts faster)")
+    add_engine_flags(p.add_argument_group("engine (docs/serving.md lists every option)"), SERVE)
+    server = p.add_argument_group("server")
+    server.add_argument("--host", default=DEFAULT_HOST,
+                        help=f"address to bind (default {DEFAULT_HOST}: this machine only)")
+    server.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT})")
+    server.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on /v1/* (default: ${SERVE_API_KEY_ENV}, else "
+                             "none)")
+    server.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                        help="requests that may wait for admission before new ones get 503 "
+                             f"(default {DEFAULT_MAX_QUEUE})")
+    server.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
+                        help=f"seconds in-flight requests may finish after SIGTERM (default {DEFAULT_GRACE_S:g})")
     p.set_defaults(func=run_serve)
 
 
 def run_serve(a: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from duoka.launch.serving import launch_serving
+    from duoka.serve.config import SERVE, ServerConfig, engine_config_from_args
 
     use_compile_cache()
 
-    if a.tp < 1:
-        raise DuokaError(f"--tp {a.tp} must be at least 1", "give the number of GPUs to split the model over")
-    model, served_name = a.model, a.served_model_name
-    if a.adapter is not None:
-        if a.tp > 1:  # the engine refuses it too, but only after every rank has loaded the model
-            raise DuokaError(f"--adapter with --tp {a.tp}: the adapter is merged into whole weights, which "
+    config = engine_config_from_args(a, SERVE)  # refuses --tp 0, --gpu-memory-utilization 2, ...
+    if config.adapter is not None:
+        if config.tp > 1:  # the engine refuses it too, but only once every rank has started
+            raise DuokaError(f"--adapter with --tp {config.tp}: the adapter is merged into whole weights, which "
                              "--tp splits over processes (not supported yet)",
-                             f"merge it first: duoka export {a.adapter} --merge --out DIR, then duoka serve DIR "
-                             f"--tp {a.tp}")
-        model = _adapter_base(Path(a.adapter), a.model)
-        served_name = served_name or a.adapter
-    engine = dict(model=model, device=a.device, dtype=a.dtype, max_model_len=a.max_model_len,
-                  gpu_memory_utilization=a.gpu_memory_utilization, block_size=a.block_size,
-                  max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
-                  enable_prefix_caching=not a.no_prefix_caching, num_kv_blocks=a.num_kv_blocks,
-                  served_model_name=served_name, cuda_graphs=not a.enforce_eager,
-                  compile=False if a.enforce_eager else None,
-                  adapter=str(Path(a.adapter).resolve()) if a.adapter is not None else None)
-    server = dict(host=a.host, port=a.port, api_key=a.api_key or os.environ.get(SERVE_API_KEY_ENV),
-                  max_queue=a.max_queue, served_model_name=served_name, grace_s=a.grace)
-    return launch_serving(engine, server, a.tp, log=log)
+                             f"merge it first: duoka export {config.adapter} --merge --out DIR, then duoka serve DIR "
+                             f"--tp {config.tp}")
+        config = replace(config, model=_adapter_base(Path(config.adapter), config.model),
+                         served_model_name=config.served_model_name or config.adapter,
+                         adapter=str(Path(config.adapter).resolve()))
+    server = ServerConfig(host=a.host, port=a.port, api_key=a.api_key or os.environ.get(SERVE_API_KEY_ENV),
+                          max_queue=a.max_queue, served_model_name=config.served_model_name, grace_s=a.grace)
+    return launch_serving(config, server, log=log)
 
 
 # ---------------------------------------------------------------- train
@@ -300,6 +283,11 @@ def add_export_parser(sub) -> None:
     p.add_argument("--base", default=None,
                    help="with --merge: the base model's folder or hub id (default: the one the checkpoint or "
                         "adapter_config.json names)")
+    p.add_argument("--skip-weight-check", dest="check_weights", action="store_false",
+                   help="with --merge: load the base even if a weight holds NaN or infinity (refused by default)")
+    p.add_argument("--trust-unverified", action="store_true",
+                   help="export a checkpoint that has no manifest.json (saved by a duoka older than manifests): "
+                        "its files cannot be checked for damage or changes")
     p.set_defaults(func=run_export)
 
 
@@ -315,11 +303,11 @@ def run_export(a: argparse.Namespace) -> int:
         if not a.merge:
             raise DuokaError(f"{source} is a LoRA adapter already (adapter_config.json)",
                              "add --merge to write its base with the adapter merged in")
-        out = merge_adapter_folder(source, Path(a.out), a.dtype, a.max_shard_size, a.base)
+        out = merge_adapter_folder(source, Path(a.out), a.dtype, a.max_shard_size, a.base, a.check_weights)
     else:
         out = export_checkpoint(source, Path(a.out), a.dtype, a.max_shard_size,
                                 warn=lambda message: log(f"duoka: warning: {message}"), merge=a.merge,
-                                base=a.base)
+                                base=a.base, trust_unverified=a.trust_unverified, check_weights=a.check_weights)
     log(f"duoka: exported {a.checkpoint} -> {out} in {time.perf_counter() - t:.1f} s")
     print(out)
     return 0
@@ -390,7 +378,10 @@ def add_plan_parser(sub) -> None:
 def run_plan(a: argparse.Namespace) -> int:
     import json
 
-    from duoka.plan.planner import detect_hardware, make_plan, render, resolve_model
+    from duoka.plan.hardware import detect_hardware
+    from duoka.plan.model_choice import resolve_model
+    from duoka.plan.ranking import make_plan
+    from duoka.plan.render import render
 
     model = resolve_model(a.model)
     links = dict(network=a.network, inter_gbps=a.inter_bw,
@@ -436,8 +427,8 @@ def plan_optimizer(a: argparse.Namespace):
 def run_plan_scaling(a: argparse.Namespace, model, links: dict) -> int:
     import json
 
+    from duoka.plan.hardware import detect_hardware
     from duoka.plan.optimizer_costs import ADAMW
-    from duoka.plan.planner import detect_hardware
     from duoka.plan.scaling import DEFAULT_SCALING_GPUS, plan_scaling, render_scaling, scaling_hardware
 
     if a.out:
@@ -594,7 +585,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--global-batch", type=int, default=None, help="default: micro-batch x data-parallel ranks")
     p.add_argument("--nproc-per-node", type=int, default=None, help="default: one per visible GPU")
     p.add_argument("--vs-peer", action="store_true", help="also run the transformers peer in this call")
-    p.add_argument("--peer", default=None, help="peer script (default ../shared/peer/hf_qwen2_baseline.py)")
+    p.add_argument("--peer", default=None,
+                   help="peer script (default: the repository's bench/peers/train_peer.py; an installed duoka "
+                        "has no bench/, so give a copy of it here)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="extra duoka train setting, e.g. --set parallel.reshard_after_forward=false (repeatable)")
     p.add_argument("--profile", action="store_true",
@@ -665,7 +658,8 @@ def add_bench_serve_parser(sub) -> None:
     p.add_argument("--vs-peer", action="store_true",
                    help="also run the transformers peer on the same prompts, once the server is stopped")
     p.add_argument("--peer", default=None,
-                   help="peer script (default ../shared/peer/hf_qwen2_serve_baseline.py, else .peer/)")
+                   help="peer script (default: the repository's bench/peers/serve_peer.py; an installed duoka "
+                        "has no bench/, so give a copy of it here)")
     p.add_argument("--peer-model", default=None, help="the peer's shape: 0.5b, 1.5b or 7b (default: from the model)")
     p.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds for the peer run (default 1800)")
     p.add_argument("--start-timeout", type=float, default=900.0,
@@ -774,6 +768,11 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # `duoka generate ... | head` closed the pipe: not an error
         return 0
+    except OSError as e:  # a read-only or full output folder: one message; other OSErrors are bugs
+        if (error := file_error(e)) is None:
+            raise
+        print_error(error)
+        return 2
 
 
 def print_error(e: DuokaError) -> None:

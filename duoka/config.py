@@ -46,6 +46,8 @@ class ModelConfig:
                                "qwen2-1.5b, qwen2-7b, qwen2-72b, qwen2.5-0.5b ... qwen2.5-72b. Ignored when path is set.")
     path: str = opt("", "Hugging Face folder or hub id to start from (its config.json and weights). Empty: random init.")
     tokenizer: str = opt("", "Folder with tokenizer.json. Empty: the model path's, or the bundled one for `debug`.")
+    check_weights: bool = opt(True, "Refuse model.path's weights if a tensor holds NaN or infinity (one pass over "
+                                    "the loaded weights on the device: docs/reliability.md gives its cost).")
 
 
 @dataclass
@@ -134,7 +136,9 @@ class OptimizerConfig:
                                "parameter of AdamW state (and its step) from the GPU for host memory (16 bytes per "
                                "parameter: master copy, gradient, two moments) and PCIe traffic. One GPU and "
                                "optimizer.name=adamw only.", choices=("none", "cpu"))
-    lr: float = opt(3e-3, "Peak learning rate at reference_batch_size (before lr_scaling).", min=0.0)
+    # At most 1e6: a run at a larger lr moves every weight by millions a step and trains nothing (a
+    # test forces a blow-up at 1e6), and near float32's 3.4e38 torch's optimizers fail on it.
+    lr: float = opt(3e-3, "Peak learning rate at reference_batch_size (before lr_scaling).", min=0.0, max=1e6)
     lr_scaling: str = opt("none", "Scale lr with the global batch: linear (lr * B/B_ref, Goyal et al. 2017) or sqrt "
                                   "(lr * sqrt(B/B_ref), for Adam-type optimisers, Malladi et al. 2022).",
                           choices=("none", "linear", "sqrt"))
@@ -250,6 +254,11 @@ class CheckpointConfig:
                           "against its manifest; damaged ones are skipped with a warning; start fresh if there is "
                           "none); a checkpoints/step-N path: continue from it; empty: start fresh.")
     export_final: bool = opt(True, "Also write the final model in Hugging Face format to hf/step-<steps>/.")
+    trust_unverified: bool = opt(False, "Resume from a checkpoint without manifest.json (saved by a duoka older than "
+                                        "manifests, or copied without it): its files' sizes and checksums cannot be "
+                                        "checked, so damaged or altered bytes go unnoticed. Off: such a checkpoint is "
+                                        "refused (auto skips it). Its pickled parts are read by the restricted "
+                                        "unpicklers either way.")
 
 
 @dataclass

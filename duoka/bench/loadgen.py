@@ -61,7 +61,7 @@ class Result:
 
 
 def random_prompts(requests: int, prompt_min: int, prompt_max: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    """The serving peer's prompts (../shared/peer/hf_qwen2_serve_baseline.py): one
+    """The serving peer's prompts (bench/peers/serve_peer.py in the repository): one
     random.Random(seed) draws every length first, uniform in [prompt_min, prompt_max], then
     the ids, uniform in [1, vocab)."""
     if not 1 <= prompt_min <= prompt_max:

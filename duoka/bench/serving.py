@@ -6,7 +6,7 @@ a free port in a session of its own and stops with SIGTERM at the end (a stopped
 benchmark stops it too). The client (duoka/bench/loadgen.py) sends a fixed workload: the
 peer's random token-id prompts (or a JSONL of prompts), all at once, at most N in flight, or
 as Poisson arrivals; then, with --batch1, one request alone. With --vs-peer the peer script
-(../shared/peer/hf_qwen2_serve_baseline.py, else .peer/ in the repository) runs the same
+(the repository's bench/peers/serve_peer.py, or --peer) runs the same
 prompts through transformers' continuous batching once the server has given the GPU back;
 vs_peer = our total tokens/s / the peer's.
 """
@@ -29,13 +29,13 @@ from pathlib import Path
 import httpx2 as httpx
 
 from duoka import __version__
-from duoka.errors import DuokaError
-from duoka.hub import bundled_model_dir, resolve_model_dir
-from duoka.host.ports import free_port
 from duoka.bench import loadgen
+from duoka.errors import DuokaError
+from duoka.host.ports import free_port
+from duoka.hub import bundled_model_dir, resolve_model_dir
 
-ROOT = Path(__file__).resolve().parents[1]
-PEER_SCRIPT = "hf_qwen2_serve_baseline.py"
+ROOT = Path(__file__).resolve().parents[2]  # the repository (or site-packages): what PYTHONPATH needs for duoka
+PEER_SCRIPT = "serve_peer.py"
 PEER_MODELS = ("0.5b", "1.5b", "7b", "tiny")
 # The peer's published shapes by (hidden_size, num_hidden_layers), to name --peer-model from a folder.
 PEER_SHAPES = {(896, 24): "0.5b", (1536, 28): "1.5b", (3584, 28): "7b"}
@@ -48,10 +48,9 @@ HEALTH_POLL_S = 0.2
 
 
 def default_peer() -> Path:
-    """The shared peer next to the repository, else the copy in .peer/ (the GPU machine's layout)."""
-    shared = ROOT.parent / "shared" / "peer" / PEER_SCRIPT
-    local = ROOT / ".peer" / PEER_SCRIPT
-    return local if not shared.is_file() and local.is_file() else shared
+    """The repository's serving peer, bench/peers/serve_peer.py beside this package's folder. An
+    installed duoka (site-packages) has no bench/ there: --vs-peer then needs --peer."""
+    return ROOT / "bench" / "peers" / PEER_SCRIPT
 
 
 @dataclass
@@ -367,7 +366,9 @@ def bench_serve(o: ServeBenchOptions, log=print) -> dict:
     if o.vs_peer:  # what the peer needs is checked before a server starts
         peer = o.peer or default_peer()
         if not peer.is_file():
-            raise DuokaError(f"peer script {peer} not found", f"pass --peer PATH/{PEER_SCRIPT}")
+            raise DuokaError(f"peer script {peer} not found",
+                             f"pass --peer PATH/{PEER_SCRIPT}: the peer scripts are in bench/peers/ of a clone of "
+                             "the duoka repository (an installed duoka does not ship them)")
         if not o.url:
             _peer_model(o, config)
     # SIGTERM unwinds through the `finally`s that stop the server and the peer (main thread only).

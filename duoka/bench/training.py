@@ -6,7 +6,7 @@ scratch run directory and reads its metrics.jsonl: tokens/s/GPU and MFU over the
 steps (total tokens / total time), the largest per-rank peak memory, and the medians of
 the step-time breakdown (forward, backward, optimizer, data, and the rest: exposed
 communication and host gaps; see PhaseTimer in duoka/timing.py). With --vs-peer the
-peer script (../shared/peer/hf_qwen2_baseline.py, or --peer) runs under torchrun with the
+peer script (the repository's bench/peers/train_peer.py, or --peer) runs under torchrun with the
 same model, micro-batch, sequence and GPU count, DDP or FSDP2 as the layout's data
 parallelism; `vs_peer` = duoka tokens/s / peer tokens/s.
 """
@@ -27,9 +27,11 @@ from pathlib import Path
 from duoka import runtime
 from duoka.errors import DuokaError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository (or site-packages): what PYTHONPATH needs for duoka
 PEER_MODELS = {"qwen2-0.5b": "0.5b", "qwen2-1.5b": "1.5b", "qwen2-7b": "7b"}
-DEFAULT_PEER = ROOT.parent / "shared" / "peer" / "hf_qwen2_baseline.py"
+# The transformers peer is a script of the repository (bench/peers/), beside this package's folder.
+# An installed duoka (site-packages) has no bench/ there: --vs-peer then needs --peer.
+DEFAULT_PEER = ROOT / "bench" / "peers" / "train_peer.py"
 
 
 def layout_overrides(layout: str) -> tuple[list[str], dict]:
@@ -176,7 +178,9 @@ def run_peer(peer: Path, model: str, info: dict, seq: int, micro_batch: int, ste
         raise DuokaError(f"the peer has no configuration for {model}",
                          f"--vs-peer works with {', '.join(PEER_MODELS)}")
     if not peer.is_file():
-        raise DuokaError(f"peer script {peer} not found", "pass --peer PATH/hf_qwen2_baseline.py")
+        raise DuokaError(f"peer script {peer} not found",
+                         "pass --peer PATH/train_peer.py: the peer scripts are in bench/peers/ of a clone of the "
+                         "duoka repository (an installed duoka does not ship them)")
     mode = "fsdp2" if info["dp_mode"] == "fsdp" or info["tp"] > 1 or info["pp"] > 1 else "ddp"
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", str(peer),
            f"--model={PEER_MODELS[model]}", f"--mode={mode}", f"--seq={seq}", f"--mbs={micro_batch}",

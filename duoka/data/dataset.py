@@ -74,6 +74,7 @@ class Skipped:
             self.first.append(where)
 
 
+JSON_CONTEXT = 30  # characters of a malformed JSON line shown each side of the error
 # Bytes read to tell a binary file from text: a NUL byte among them means binary, as git and grep decide.
 BINARY_PROBE = 8192
 _NOT_UTF8 = re.compile("[\udc80-\udcff]")  # what surrogateescape makes of each byte that is not UTF-8
@@ -144,6 +145,14 @@ def iter_documents(path: Path, text_field: str, skipped: Skipped | None = None) 
                              f"{', '.join(record) if isinstance(record, dict) else type(record).__name__})")
 
 
+def json_error(e: json.JSONDecodeError, line: str) -> str:
+    """What json found wrong, where, and the text around it (at most JSON_CONTEXT characters
+    each side: a line can be megabytes)."""
+    start = max(0, e.pos - JSON_CONTEXT)
+    near = line[start:e.pos + JSON_CONTEXT].rstrip("\n")
+    return f"{e.msg} at column {e.colno}, near {'...' if start else ''}{near!r}"
+
+
 def iter_jsonl(path: Path, skipped: Skipped | None = None) -> Iterator[tuple[int, object]]:
     """(line number, parsed object) for each non-blank line of a .jsonl or .jsonl.gz file.
     A line that is not UTF-8 or not JSON is an error, or, given `skipped`, counted there and
@@ -154,10 +163,11 @@ def iter_jsonl(path: Path, skipped: Skipped | None = None) -> Iterator[tuple[int
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
+            why = json_error(e, line)
             if skipped is None:
-                raise DuokaError(f"{path}:{lineno} is not valid JSON ({e.msg})",
+                raise DuokaError(f"{path}:{lineno} is not valid JSON ({why})",
                                  "fix or remove that line (each line must be one JSON object)") from None
-            skipped.add(f"{path}:{lineno}: not valid JSON ({e.msg})")
+            skipped.add(f"{path}:{lineno}: not valid JSON ({why})")
             continue
         yield lineno, record
 

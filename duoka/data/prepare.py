@@ -185,6 +185,11 @@ def prepare(data: Path, out: Path, tokenizer_dir: Path, text_field: str = "text"
     if skipped and on_error == "fail":
         raise DuokaError(f"{skipped:,} malformed record(s), first: {first[0]}",
                          "fix the input, or pass --on-error skip to leave them out")
+    if not sum(r["documents"] for r in records):
+        what = f"all {skipped:,} records are malformed (first: {first[0]})" if skipped else "it holds no text"
+        raise DuokaError(f"nothing to train on in {data}: {what}",
+                         f"check the input's format (one JSON object per line with a string field {text_field!r}, "
+                         "or plain .txt)" + ("; or set --text-field to the field that holds the text" if skipped else ""))
     manifest = {"tokenizer": tokenizer.fingerprint, "tokenizer_dir": str(tokenizer.folder), "end_of_text": eot,
                 "text_field": text_field, "documents": sum(r["documents"] for r in records),
                 "tokens": sum(r["tokens"] for r in records), "malformed": skipped,

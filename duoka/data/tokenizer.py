@@ -27,6 +27,16 @@ from duoka.hub import resolve_model_dir
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
+# From this many characters on, text is encoded through encode_batch, which releases the GIL:
+# tokenizers' encode holds it for the whole call (a 15 MB prompt stopped every other thread of
+# the server, its event loop too, for ~17 s).
+GIL_FREE_CHARS = 1 << 14
+# Characters per token of a prefix that encode_at_most reads before the whole text: English
+# averages ~4 per Qwen2 token, so a text that needs more tokens than allowed within 16
+# characters per token is found without reading the rest.
+PREFIX_CHARS_PER_TOKEN = 16
+
+
 def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):  # {"content": "<|endoftext|>", "lstrip": false, ...}
         return value.get("content")
@@ -123,7 +133,22 @@ class Tokenizer:
         return ids
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        if len(text) < GIL_FREE_CHARS:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    def encode_at_most(self, text: str, max_tokens: int, add_special_tokens: bool = True) -> list[int] | None:
+        """The text's ids, or None when it holds more than max_tokens tokens. A long text is
+        judged by a prefix first (cut after a whitespace, where a word ends: the prefix's
+        tokens are then the text's own, give or take one), so an oversized prompt costs the
+        work of max_tokens tokens, not of its whole length."""
+        cut = (max_tokens + 2) * PREFIX_CHARS_PER_TOKEN
+        if len(text) > cut:
+            end = max(text.rfind(" ", 0, cut), text.rfind("\n", 0, cut))
+            if end > 0 and len(self.encode(text[:end], add_special_tokens)) > max_tokens + 1:
+                return None
+        ids = self.encode(text, add_special_tokens)
+        return ids if len(ids) <= max_tokens else None
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """Ids and each token's character span in `text` (no special tokens added)."""

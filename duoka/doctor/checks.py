@@ -14,9 +14,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from duoka.errors import DuokaError
-from duoka.monitor.gpu import decode_clock_reasons, load_nvml, nvml_text
 from duoka.host.ports import port_is_free
-from duoka.plan.planner import Hardware, make_plan, resolve_model
+from duoka.monitor.gpu import decode_clock_reasons, load_nvml, nvml_text
+from duoka.plan.hardware import Hardware
+from duoka.plan.model_choice import resolve_model
+from duoka.plan.ranking import make_plan
 
 PASS, WARN, FAIL, INFO = "PASS", "WARN", "FAIL", "INFO"
 GIB = 2**30

@@ -28,6 +28,7 @@ from duoka import runtime
 from duoka.errors import DuokaError
 from duoka.host.ports import free_port, parse_endpoint, port_is_free
 from duoka.launch.exits import EXIT_USER_ERROR, EXIT_WORKER_DIED, WorkerFailed
+from duoka.state_files import cut_torn_tail
 from duoka.train.run_files import RESTARTS_LOG, last_logged_step, read_error_reports
 
 LOOPBACK = "127.0.0.1"  # where a single node's stores listen: nothing outside the host needs them
@@ -150,7 +151,9 @@ class Restarts:
                   "cause": failure.cause, "last_step": last, "resume_from": resume_from,
                   "resume_step": resume_step, "steps_lost": lost}
         if self.node_rank == 0:
-            with open(run_dir / RESTARTS_LOG, "a") as f:
+            log_path = run_dir / RESTARTS_LOG
+            cut_torn_tail(log_path, lambda message: self.log(f"duoka: warning: {message}"))
+            with open(log_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
         self.log(f"duoka: {failure.cause.splitlines()[0]}; restart {self.done} of {self.max_restarts} from "
                  f"step {resume_step} ({lost} step(s) lost)")
@@ -174,6 +177,10 @@ def explain_failure(failures: dict, run_dir: str) -> WorkerFailed:
             return WorkerFailed(f"rank {rank} was killed by SIGKILL{when} (killed by the OS, out of host memory?)",
                                 f"look for the OOM killer in the kernel log (dmesg); {resume}", EXIT_WORKER_DIED)
         return WorkerFailed(f"rank {rank} was killed by {name}{when}", resume, EXIT_WORKER_DIED)
+    if failure.exitcode == EXIT_USER_ERROR:  # its report could not be written: the disk is full?
+        return WorkerFailed(f"rank {rank} stopped with an error{when} that it could not write to {run_dir} (a full "
+                            "disk?): its message is above", "mend what the message names; then " + resume,
+                            EXIT_USER_ERROR)
     if rank in reports:  # it lost a peer, and no other rank said why
         lost = reports[rank]["cause"].strip().splitlines()[-1]
         return WorkerFailed(f"rank {rank} lost contact with the other ranks{when} ({lost}); the rank that died first "

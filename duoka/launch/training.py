@@ -42,6 +42,7 @@ from duoka.host.devices import device_env, read_gpus, select_gpus
 from duoka.host.ports import free_port
 from duoka.launch.cluster import Launch, LaunchFlags, resolve_launch
 from duoka.launch.exits import TrainingStopped
+from duoka.state_files import write_whole
 from duoka.train.run_files import STOPPED_MARKER, read_error_reports
 
 LOCK_FILE = ".lock"
@@ -71,7 +72,7 @@ def launch_training(config_path: str | None, overrides: list[str], flags: Launch
         for stale in [*run_dir.glob("error-rank*.json"), run_dir / STOPPED_MARKER]:
             stale.unlink(missing_ok=True)
         if launch.node_rank == 0:
-            (run_dir / "config.toml").write_text(to_toml(spec.cfg))
+            write_whole(run_dir / "config.toml", to_toml(spec.cfg))
         log(f"duoka: {world} process(es) ({launch.nnodes} node(s) x {nproc_per_node}), run directory {run_dir}")
         stop_signal = _run_workers(spec, nproc_per_node, launch, flags.max_restarts, log)
         stopped = run_dir / STOPPED_MARKER

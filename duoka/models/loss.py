@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from duoka.models.compile import compiled as compiled_fn
+from duoka.models.compiled_functions import compiled as compiled_fn
 
 IGNORE_INDEX = -100
 CHUNK_TOKENS = {True: 4096, False: 1024}  # compiled: no fp32 temporaries; eager: ~4 fp32 [chunk, vocab] live

@@ -3,7 +3,6 @@ machine's GPUs, labelled with the training ranks that use them."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
@@ -13,17 +12,12 @@ from rich.text import Text
 
 from duoka.errors import DuokaError
 from duoka.monitor.gpu import load_nvml, read_all
+from duoka.state_files import read_jsonl
 
 
 def read_records(path: Path) -> list[dict]:
-    """Whole lines of metrics.jsonl (a line being written right now is skipped)."""
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return out
+    """Whole lines of metrics.jsonl (a line being written right now, or a torn one, is skipped)."""
+    return read_jsonl(path)[0]
 
 
 def _gib(x) -> str:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 # Dense bf16 tensor-core peaks from the vendors' datasheets, FLOP/s per device (no sparsity).
 PEAK_BF16 = {
     "H200": 989e12, "H100": 989e12, "H800": 989e12, "GH200": 989e12,

@@ -1,5 +1,5 @@
 """Where each step's metrics record goes: metrics.jsonl, TensorBoard event files and a
-Prometheus endpoint. All three take the same record (design.md's metrics.jsonl contract plus
+Prometheus endpoint. All three take the same record (the metrics.jsonl contract of docs/monitoring.md plus
 `per_rank`, `gpus`, `balance` and `alerts`), so the three sinks never disagree.
 
 Prometheus names follow its conventions: `duoka_*`, base units (seconds, bytes, ratios,

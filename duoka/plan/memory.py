@@ -361,21 +361,33 @@ def estimate_memory(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: 
     return best
 
 
-def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int, seq_len: int, ac: bool,
-                 accumulation: int, regime: str, optimizer: OptimizerChoice) -> MemoryBreakdown:
+@dataclass(frozen=True)
+class _RankShare:
+    """Parameters one pipeline rank holds, after tp (before data-parallel sharding)."""
+
+    layers: int  # decoder layers over all the stages of this rank
+    has_embedding: bool
+    has_head: bool
+    block_local: float  # one decoder block's
+    block_matmul: int  # one decoder block's matmul weights, before tp
+    vocab_rows: float  # one vocabulary matrix (the embedding or the head)
+    root: float  # FSDP's root unit: embedding, final norm, output head
+    local: float  # all of them: the layers and the root
+    matmul_local: float  # the matmul weights among them (the head's included)
+
+
+def _rank_share(args: ModelArgs, layout: Layout, pp_rank: int) -> _RankShare:
+    """The stages of pipeline rank `pp_rank` (v per rank, interleaved) and what they hold."""
     tp, pp, v = layout.tp, layout.pp, layout.stages_per_rank
-    tokens = micro_batch * seq_len
     n_stages = pp * v
     stages = [pp_rank + k * pp for k in range(v)]
     counts = stage_layer_counts(args.n_layers, n_stages)
     layers = sum(counts[s] for s in stages)
     has_embedding, has_head = 0 in stages, (n_stages - 1) in stages
-
-    # Parameters this rank holds, after tp (before data-parallel sharding).
     p_block, p_block_tp, p_block_mm = block_params(args)
     block_local = p_block_tp / tp + (p_block - p_block_tp)
     vocab_rows = args.vocab_size * args.dim / tp
-    root = 0.0  # FSDP's root unit: embedding, final norm, output head
+    root = 0.0
     if has_embedding:
         root += vocab_rows
     if has_head:
@@ -384,96 +396,153 @@ def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int
         root += args.dim + (0 if (args.tie_word_embeddings and has_embedding) else vocab_rows)
     local = layers * block_local + root
     matmul_local = layers * p_block_mm / tp + (vocab_rows if has_head else 0)
+    return _RankShare(layers, has_embedding, has_head, block_local, p_block_mm, vocab_rows, root, local, matmul_local)
 
-    shard = layout.dp_shard if layout.fsdp else 1
-    accumulating = accumulation > 1
-    low = 4 if regime == "fp32" else 2  # bytes of a compute-dtype weight or gradient
+
+@dataclass(frozen=True)
+class _GradientsAndWeights:
+    """Bytes of gradients, bf16 weights and gradient buffers at the moments of the step."""
+
+    grads_live: float  # gradients alive through forward and backward (accumulated ones)
+    grads_end: float  # every gradient, at the end of backward and in the optimizer step
+    head_grads: float  # gradients that exist during the blocks' backward without accumulation
+    gathered: float  # bf16 weights held through forward and backward
+    recompute_casts: float  # autocast's casts of a block recomputed under checkpointing
+    gathered_end: float  # bf16 weights still held at the end of backward
+    buckets: float  # DDP's flat gradient buckets
+    comm_block: float  # a block's gradient reduction buffers during its backward
+    comm_end: float  # the last (root) reduction's buffers at the end of backward
+
+
+def _fsdp_gradients(share: _RankShare, layout: Layout, accumulating: bool, low: int) -> _GradientsAndWeights:
+    """Under FSDP2 (dp_mode=fsdp and every tp/pp layout)."""
+    shard = layout.dp_shard
+    local, root, block_local = share.local, share.root, share.block_local
+    # Accumulation without sync (and every pipeline schedule) keeps unsharded fp32 grads.
+    grads_live = GRAD_BYTES * local if accumulating else 0.0
+    if layout.pp > 1 or not layout.reshard_after_forward:
+        # The trainer keeps a stage's weights gathered between forward and backward
+        # under pp (torchtitan's choice); reshard_after_forward=false does it anyway.
+        gathered = low * local
+    else:
+        # The root stays gathered from forward to backward (reshard_after_forward=False
+        # on it); one block gathered for compute and the next prefetched.
+        gathered = low * root + 2 * low * block_local
+    grads_end = GRAD_BYTES * (local - root) / shard
+    # The root's reduce-scatter comes last: the fp32 input buffer, and either the bf16
+    # gradients being copied in (fp32 accumulated ones while accumulating) or the output.
+    root_grads = (GRAD_BYTES if accumulating else low) * root
+    comm_end = GRAD_BYTES * root + max(root_grads, GRAD_BYTES * root / shard)
+    # A block's backward: its bf16 gradients and their fp32 reduce-scatter buffer.
+    comm_block = (low + GRAD_BYTES) * block_local
+    # Gradients that exist during the blocks' backward without accumulation: the
+    # output head's, in bf16 (reduced with the root's at the very end).
+    head_grads = low * share.vocab_rows if share.has_head and not accumulating else 0.0
+    return _GradientsAndWeights(grads_live, grads_end, head_grads, gathered, recompute_casts=0.0,
+                                gathered_end=0.0,  # resharded before reducing
+                                buckets=0.0, comm_block=comm_block, comm_end=comm_end)
+
+
+def _replicated_gradients(share: _RankShare, layout: Layout, ac: bool, accumulating: bool,
+                          regime: str) -> _GradientsAndWeights:
+    """Under DDP or on a single GPU: whole fp32 weights and gradients on every rank."""
+    grads_live = GRAD_BYTES * share.local if accumulating else 0.0
+    grads_end = GRAD_BYTES * share.local
+    # DDP's reducer keeps flat fp32 buckets the size of all gradients.
+    buckets = GRAD_BYTES * share.local if layout.ddp_wrapper else 0.0
+    # Autocast's bf16 copy of each matmul weight is saved for backward (autocast only
+    # runs without tp/pp: one stage, one forward in flight). Checkpointed blocks save
+    # nothing, so only the head's copy stays; each block casts again when recomputed.
+    head_mm = share.vocab_rows if share.has_head else 0.0
+    cast = 2 if regime == "autocast" else 0
+    gathered = cast * (head_mm if ac else share.matmul_local)
+    recompute_casts = cast * share.block_matmul / layout.tp if ac else 0.0
+    head_grads = GRAD_BYTES * share.vocab_rows if share.has_head and not accumulating else 0.0
+    return _GradientsAndWeights(grads_live, grads_end, head_grads, gathered, recompute_casts, gathered_end=0.0,
+                                buckets=buckets, comm_block=0.0, comm_end=0.0)
+
+
+@dataclass(frozen=True)
+class _Activations:
+    """Bytes of activations and loss buffers on one rank, and how many forwards it holds."""
+
+    held: float  # tensors saved for backward by the stage-forwards in flight
+    final_norm: float  # the final norm's and the head's saved inputs, on the rank with the head
+    logits: float  # the cross-entropy's buffers, on the rank with the head
+    recompute: float  # one block recomputed under checkpointing
+    transient: float  # gradients of a block's intermediates while its backward runs
+    p2p: float  # pipeline receive buffers
+    in_flight: int  # stage-forwards held at the peak
+
+
+def _activations(args: ModelArgs, layout: Layout, share: _RankShare, pp_rank: int, tokens: int, ac: bool,
+                 accumulation: int, regime: str) -> _Activations:
+    """Activations of `tokens` per micro-batch (saved_per_token's counts)."""
+    tp, pp, v = layout.tp, layout.pp, layout.stages_per_rank
     saved = saved_per_token(args, regime, tp)
     flight = in_flight(layout, pp_rank, accumulation)  # stage-forwards held
-    layers_per_forward = layers / v
-
-    parameters = WEIGHT_BYTES * local / shard
-    opt = rank_footprint(args, layers, has_embedding, has_head, tp, optimizer, shard)
-
-    # ---- gradients and gathered weights, per moment
-    if layout.fsdp:
-        # Accumulation without sync (and every pipeline schedule) keeps unsharded fp32 grads.
-        grads_live = GRAD_BYTES * local if accumulating else 0.0
-        if pp > 1 or not layout.reshard_after_forward:
-            # The trainer keeps a stage's weights gathered between forward and backward
-            # under pp (torchtitan's choice); reshard_after_forward=false does it anyway.
-            gathered = low * local
-        else:
-            # The root stays gathered from forward to backward (reshard_after_forward=False
-            # on it); one block gathered for compute and the next prefetched.
-            gathered = low * root + 2 * low * block_local
-        grads_end = GRAD_BYTES * (local - root) / shard
-        # The root's reduce-scatter comes last: the fp32 input buffer, and either the bf16
-        # gradients being copied in (fp32 accumulated ones while accumulating) or the output.
-        root_grads = (GRAD_BYTES if accumulating else low) * root
-        comm_end = GRAD_BYTES * root + max(root_grads, GRAD_BYTES * root / shard)
-        # A block's backward: its bf16 gradients and their fp32 reduce-scatter buffer.
-        comm_block = (low + GRAD_BYTES) * block_local
-        recompute_casts = 0.0
-        gathered_end = 0.0  # resharded before reducing
-        buckets = 0.0
-        # Gradients that exist during the blocks' backward without accumulation: the
-        # output head's, in bf16 (reduced with the root's at the very end).
-        head_grads = low * vocab_rows if has_head and not accumulating else 0.0
-    else:
-        grads_live = GRAD_BYTES * local if accumulating else 0.0
-        grads_end = GRAD_BYTES * local
-        comm_end = comm_block = 0.0
-        # DDP's reducer keeps flat fp32 buckets the size of all gradients.
-        buckets = GRAD_BYTES * local if layout.ddp_wrapper else 0.0
-        # Autocast's bf16 copy of each matmul weight is saved for backward (autocast only
-        # runs without tp/pp: one stage, one forward in flight). Checkpointed blocks save
-        # nothing, so only the head's copy stays; each block casts again when recomputed.
-        head_mm = vocab_rows if has_head else 0.0
-        cast = 2 if regime == "autocast" else 0
-        gathered = cast * (head_mm if ac else matmul_local)
-        recompute_casts = cast * p_block_mm / tp if ac else 0.0
-        gathered_end = 0.0
-        head_grads = GRAD_BYTES * vocab_rows if has_head and not accumulating else 0.0
-
-    # ---- activations
+    layers_per_forward = share.layers / v
     per_layer = saved.block_input if ac else saved.block
     held = flight * layers_per_forward * per_layer * tokens
-    final_norm = saved.final_norm * tokens if has_head else 0.0
+    final_norm = saved.final_norm * tokens if share.has_head else 0.0
     loss_bytes = (LOSS_BYTES_PER_LOGIT + (LOSS_PARALLEL_EXTRA_BYTES if tp > 1 else 0)
                   + (PIPELINE_LOGITS_BYTES if pp > 1 else 0))
-    logits = loss_bytes * args.vocab_size / tp * tokens if has_head else 0.0
+    logits = loss_bytes * args.vocab_size / tp * tokens if share.has_head else 0.0
     recompute = (saved.block if ac else 0.0) * tokens
     transient = saved.backward_transient * tokens
     # Pipeline receive buffers: one bf16 activation from the previous stage and one
     # gradient from the next, per stage the rank holds.
     p2p = 2 * 2 * args.dim * tokens * v if pp > 1 else 0.0
+    return _Activations(held, final_norm, logits, recompute, transient, p2p, flight)
 
-    persistent = parameters + opt.gpu_state
+
+def _moments(g: _GradientsAndWeights, a: _Activations, step_transient: float,
+             accumulation: int) -> dict[str, dict[str, float]]:
+    """The parts of each moment of the step beyond the weights and the optimizer's state, in
+    the order ties between moments go to the first."""
     moments = {}
-    if accumulating and flight >= accumulation:
+    if accumulation > 1 and a.in_flight >= accumulation:
         # A pipeline rank that runs every micro-batch's forward before its first backward
         # (GPipe; 1F1B with m <= pp - rank) peaks before any gradient exists; its next
         # backward has gradients and one forward's activations fewer.
-        grads_first, later = 0.0, {"gradients": grads_live + head_grads, "gathered_parameters": gathered,
-                                   "activations": held * (flight - 1) / flight + final_norm, "logits": logits,
-                                   "communication": buckets + p2p}
-        moments["later backward"] = later
+        grads_first = 0.0
+        moments["later backward"] = {"gradients": g.grads_live + g.head_grads, "gathered_parameters": g.gathered,
+                                     "activations": a.held * (a.in_flight - 1) / a.in_flight + a.final_norm,
+                                     "logits": a.logits, "communication": g.buckets + a.p2p}
     else:
-        grads_first = grads_live
-    moments["loss backward"] = {"gradients": grads_first, "gathered_parameters": gathered,
-                                "activations": held + final_norm, "logits": logits, "communication": buckets + p2p}
-    moments["block backward"] = {"gradients": grads_first + head_grads,
-                                 "gathered_parameters": gathered + recompute_casts,
-                                 "activations": held + recompute + transient, "logits": 0.0,
-                                 "communication": buckets + p2p + comm_block}
-    moments["end of backward"] = {"gradients": grads_end, "gathered_parameters": gathered_end, "activations": 0.0,
-                                  "logits": 0.0, "communication": buckets + comm_end}
+        grads_first = g.grads_live
+    moments["loss backward"] = {"gradients": grads_first, "gathered_parameters": g.gathered,
+                                "activations": a.held + a.final_norm, "logits": a.logits,
+                                "communication": g.buckets + a.p2p}
+    moments["block backward"] = {"gradients": grads_first + g.head_grads,
+                                 "gathered_parameters": g.gathered + g.recompute_casts,
+                                 "activations": a.held + a.recompute + a.transient, "logits": 0.0,
+                                 "communication": g.buckets + a.p2p + g.comm_block}
+    moments["end of backward"] = {"gradients": g.grads_end, "gathered_parameters": g.gathered_end,
+                                  "activations": 0.0, "logits": 0.0, "communication": g.buckets + g.comm_end}
     # The step runs after the last reduction: every gradient, sharded, and DDP's buckets (kept
     # between steps). Ties with the end of backward go to it (inserted first): fused AdamW
     # allocates nothing more.
-    moments["optimizer step"] = {"gradients": grads_end, "gathered_parameters": 0.0, "activations": 0.0,
-                                 "logits": 0.0, "communication": buckets, "optimizer_step": opt.step_transient}
+    moments["optimizer step"] = {"gradients": g.grads_end, "gathered_parameters": 0.0, "activations": 0.0,
+                                 "logits": 0.0, "communication": g.buckets, "optimizer_step": step_transient}
+    return moments
+
+
+def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int, seq_len: int, ac: bool,
+                 accumulation: int, regime: str, optimizer: OptimizerChoice) -> MemoryBreakdown:
+    share = _rank_share(args, layout, pp_rank)
+    shard = layout.dp_shard if layout.fsdp else 1
+    accumulating = accumulation > 1
+    low = 4 if regime == "fp32" else 2  # bytes of a compute-dtype weight or gradient
+    parameters = WEIGHT_BYTES * share.local / shard
+    opt = rank_footprint(args, share.layers, share.has_embedding, share.has_head, layout.tp, optimizer, shard)
+    if layout.fsdp:
+        grads = _fsdp_gradients(share, layout, accumulating, low)
+    else:
+        grads = _replicated_gradients(share, layout, ac, accumulating, regime)
+    acts = _activations(args, layout, share, pp_rank, micro_batch * seq_len, ac, accumulation, regime)
+    moments = _moments(grads, acts, opt.step_transient, accumulation)
+    persistent = parameters + opt.gpu_state
     totals = {name: persistent + sum(parts.values()) for name, parts in moments.items()}
     phase = max(totals, key=totals.get)
     parts = {"optimizer_step": 0.0, **moments[phase]}

@@ -39,8 +39,9 @@ from duoka.errors import DuokaError
 GBIT = 1e9 / 8  # bytes/s in one Gb/s
 
 # ---- inside a node: NCCL bus bandwidth per GPU (what nccl-tests' all_reduce_perf reports)
-# NVLink 4 (H100/H200 SXM) is 450 GB/s per direction; all-reduce reaches ~327 GB/s bus
-# bandwidth on the lent H200s (design.md), so 350 is a fair planning figure. PCIe 4.0 x16 is
+# NVLink 4 (H100/H200 SXM) is 450 GB/s per direction; a 1 GiB all-reduce reaches ~320 GB/s bus
+# bandwidth on the lent 2 x H200 (`duoka doctor --bench` read 319, bench/results/doctor/README.md),
+# so 350 is a fair planning figure. PCIe 4.0 x16 is
 # 32 GB/s raw, ~25 achieved; collectives through the host bridge get no more.
 INTRA_BYTES_PER_S = {"nvlink": 350e9, "pcie": 25e9}
 INTERCONNECTS = ("nvlink", "pcie", "ib")  # ib: no peer link, GPUs of a node talk through the NIC

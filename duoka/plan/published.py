@@ -22,8 +22,10 @@ import sys
 from dataclasses import dataclass, replace
 
 from duoka.models.qwen2.args import ModelArgs
+from duoka.plan.hardware import Hardware, Kernels
 from duoka.plan.memory import GIB, Layout
-from duoka.plan.planner import Hardware, Kernels, ModelChoice, evaluate, make_plan, rank
+from duoka.plan.model_choice import ModelChoice
+from duoka.plan.ranking import evaluate, make_plan, rank
 
 TORCHTITAN = ("pytorch/torchtitan docs/performance.md (commit eaea6f6; runs of 2024-12, "
               "https://github.com/pytorch/torchtitan/blob/main/docs/performance.md)")

@@ -2,13 +2,13 @@
 whole job, so a user sees where per-GPU efficiency falls and what causes it.
 
 Each row plans the model on that many GPUs (whole nodes of the job's size) with the same
-cost model as `duoka plan` (duoka.plan.planner, links from duoka.plan.network) and keeps
-its first layout, or the first of one family (`--family`). Weak scaling, the default,
-keeps the batch per GPU fixed (the global batch grows with the GPUs: the work of each GPU
-is the same, so any loss of tokens/s per GPU is communication or pipeline idling); strong
-scaling keeps the global batch fixed (each GPU's share shrinks, as in Megatron-LM's
-strong-scaling runs). Efficiency is tokens/s per GPU relative to the first row (one node,
-or the fewest GPUs the model fits on).
+ranking and cost model as `duoka plan` (duoka.plan.ranking, duoka.plan.step_time, links
+from duoka.plan.network) and keeps its first layout, or the first of one family
+(`--family`). Weak scaling, the default, keeps the batch per GPU fixed (the global batch
+grows with the GPUs: the work of each GPU is the same, so any loss of tokens/s per GPU is
+communication or pipeline idling); strong scaling keeps the global batch fixed (each GPU's
+share shrinks, as in Megatron-LM's strong-scaling runs). Efficiency is tokens/s per GPU
+relative to the first row (one node, or the fewest GPUs the model fits on).
 """
 
 from __future__ import annotations
@@ -16,18 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from duoka.errors import DuokaError
+from duoka.plan.hardware import Hardware, hardware_notes
+from duoka.plan.layouts import FAMILY_ORDER
 from duoka.plan.memory import GIB
+from duoka.plan.model_choice import ModelChoice
 from duoka.plan.optimizer_costs import ADAMW, OptimizerChoice
-from duoka.plan.planner import (
-    DEFAULT_SEQ,
-    FAMILY_ORDER,
-    Candidate,
-    Hardware,
-    ModelChoice,
-    evaluate,
-    hardware_notes,
-    rank,
-)
+from duoka.plan.ranking import DEFAULT_SEQ, evaluate, rank
+from duoka.plan.result import Candidate
 
 DEFAULT_SCALING_GPUS = 1024  # the table's last row when --gpus is not given
 DEFAULT_GPUS_PER_NODE = 8  # an HGX/DGX server, when --nodes does not say otherwise

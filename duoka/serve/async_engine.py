@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from duoka.errors import DuokaError
-from duoka.serve.server_metrics import ServeMetrics
 from duoka.serve.params import RequestOutput, SamplingParams
+from duoka.serve.server_metrics import ServeMetrics
 
 # Consecutive failed steps after which the engine counts as broken rather than unlucky.
 MAX_STEP_FAILURES = 3

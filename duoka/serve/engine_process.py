@@ -35,8 +35,10 @@ from pathlib import Path
 from duoka.data.tokenizer import load_tokenizer
 from duoka.errors import DuokaError
 from duoka.host.lifetime import die_with_launcher
+from duoka.serve.config import EngineConfig
 from duoka.serve.engine import EngineStats, LLMEngine, RequestLimits
 from duoka.serve.params import RequestOutput, SamplingParams
+from duoka.serve.worker import RunnerFactory
 
 # After "stop" the engine process only leaves its loop; CUDA teardown takes a few seconds.
 STOP_TIMEOUT_S = 30.0
@@ -58,14 +60,16 @@ class EngineInfo:
 
 
 class EngineProcess:
-    """Starts an LLMEngine(**engine_options) in a spawned process and waits until it has loaded
-    (its DuokaError, e.g. a model folder that is not there, is raised here). Then behaves as the
-    engine for one caller thread: add_request / abort / step / stats / has_unfinished / shutdown."""
+    """Starts an LLMEngine(config) in a spawned process and waits until it has loaded (its
+    DuokaError, e.g. a model folder that is not there, is raised here). Then behaves as the
+    engine for one caller thread: add_request / abort / step / stats / has_unfinished / shutdown.
+    log and runner_factory (LLMEngine's; None: its defaults) travel pickled: module-level
+    functions and classes, or partials of them."""
 
-    def __init__(self, engine_options: dict):
+    def __init__(self, config: EngineConfig, *, log=None, runner_factory: RunnerFactory | None = None):
         ctx = multiprocessing.get_context("spawn")  # CUDA cannot be used in a forked child
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=engine_main, args=(engine_options, child), name="duoka-engine")
+        self._proc = ctx.Process(target=engine_main, args=(config, child, log, runner_factory), name="duoka-engine")
         self._proc.start()
         child.close()  # the child's end lives in the child only: its exit is then our EOF
         reply = self._recv_start()
@@ -161,13 +165,14 @@ class EngineProcess:
 
 
 # ---------------------------------------------------------------- the engine process
-def engine_main(engine_options: dict, conn) -> None:
+def engine_main(config: EngineConfig, conn, log=None, runner_factory: RunnerFactory | None = None) -> None:
     die_with_launcher()
     # The server's process takes the signals and drains; this one stops when told.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
-        engine = LLMEngine(**engine_options)
+        hooks = {name: hook for name, hook in (("log", log), ("runner_factory", runner_factory)) if hook is not None}
+        engine = LLMEngine(config, **hooks)
     except DuokaError as e:
         conn.send(("error", e.cause, e.fix))
         return

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from duoka.models.compile import compiled
+from duoka.models.compiled_functions import compiled
 from duoka.serve.params import SamplingParams, TokenLogprob
 
 _MASK64 = (1 << 64) - 1

@@ -8,8 +8,9 @@ uvicorn closes and the process exits 0. A second signal aborts what is still run
 at once.
 
 `serve()` takes an already-built engine (or a factory): for tensor parallelism the engine on
-rank 0 is the one that drives the other ranks, and whoever starts those ranks (the lead's
-launcher wiring) hands it over here; this module never starts processes.
+rank 0 is the one that drives the other ranks, and whoever starts those ranks
+(launch/serving.py, serve/rank_process.py) hands it over here; this module never starts
+processes. Its keywords are ServerConfig's fields (serve/config.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import uvicorn
 
@@ -25,15 +27,9 @@ from duoka.errors import DuokaError
 from duoka.host.ports import port_is_free
 from duoka.serve.api import build_app
 from duoka.serve.async_engine import AsyncEngine, Draining
+from duoka.serve.config import DEFAULT_GRACE_S, DEFAULT_HOST, DEFAULT_MAX_QUEUE, DEFAULT_PORT
 from duoka.serve.server_metrics import ServeMetrics
 
-DEFAULT_HOST = "127.0.0.1"  # nothing outside this machine reaches the server unless --host says so
-DEFAULT_PORT = 8000  # vLLM's and the OpenAI clients' usual local port
-# `vllm bench serve` sends its 1,000 prompts at once by default; a waiting request costs
-# only its token ids, so the bound is there to shed a flood, not to protect memory.
-DEFAULT_MAX_QUEUE = 4096
-# Kubernetes' default terminationGracePeriodSeconds is 30 s; draining must end before it.
-DEFAULT_GRACE_S = 25.0
 # vLLM logs its stats line every 5 s.
 CONSOLE_INTERVAL_S = 5.0
 # Once drained, uvicorn only has finished responses to flush and idle connections to close.
@@ -42,6 +38,10 @@ UVICORN_SHUTDOWN_S = 5.0
 
 def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+# Hosts that only this machine reaches: a server bound there needs no key.
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def serve(engine: Any | Callable[[], Any], *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
@@ -58,6 +58,9 @@ def serve(engine: Any | Callable[[], Any], *, host: str = DEFAULT_HOST, port: in
         raise DuokaError(f"--max-queue {max_queue} must be at least 1", f"e.g. --max-queue {DEFAULT_MAX_QUEUE}")
     if grace_s < 0:
         raise DuokaError(f"the drain grace period {grace_s} s is negative", f"e.g. {DEFAULT_GRACE_S:g} s")
+    if api_key is None and host not in LOOPBACK_HOSTS:
+        log(f"duoka: warning: --host {host} listens beyond this machine and no --api-key is set: anyone who can reach "
+            f"port {port} can use the model; add --api-key KEY (or set DUOKA_API_KEY)")
     if callable(engine) and not hasattr(engine, "step"):
         engine = engine()
     try:

@@ -25,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import ModelArgs, ModelOptions
-from duoka.models.qwen2.hf_adapter import checkpoint_sources, hf_to_duoka, open_checkpoint
+from duoka.models.qwen2.hf_adapter import checkpoint_sources, hf_to_duoka, open_checkpoint, refuse_nonfinite
 from duoka.models.qwen2.model import Attention, FeedForward, Qwen2, build_model, materialize
 
 # Parameters split by output rows (dim 0) or input columns (dim 1); every other one is
@@ -153,12 +153,16 @@ def all_reduce_outputs(model: nn.Module, group: dist.ProcessGroup | None) -> lis
 
 
 def load_tp_model(folder: Path, args: ModelArgs, group: dist.ProcessGroup | None, device: str | torch.device,
-                  dtype: torch.dtype, options: ModelOptions = ModelOptions()) -> Qwen2:
+                  dtype: torch.dtype, options: ModelOptions = ModelOptions(), check_weights: bool = True) -> Qwen2:
     """This rank's shard of the model in `folder` (config `args`), loaded and all-reducing
-    over `group` (tp = the group's size, this rank = its rank in it), in eval mode."""
+    over `group` (tp = the group's size, this rank = its rank in it), in eval mode; refused
+    when a tensor of the shard holds NaN or infinity (check_weights). A rank that refuses
+    ends the group: the launcher names its error."""
     tp, rank = dist.get_world_size(group), dist.get_rank(group)
     model = build_shard(args, tp, device, dtype, options)
     load_shard(model, folder, args, tp, rank)
+    if check_weights:
+        refuse_nonfinite(folder, model.state_dict())
     if tp > 1:
         all_reduce_outputs(model, group)
     return model.eval().requires_grad_(False)

@@ -1,69 +1,223 @@
-"""A tensor-parallel rank of `duoka serve`, started by the launcher's elastic agent (the
-machinery that starts training's workers): one process per GPU, NCCL between GPUs (gloo
-between CPU processes). Every rank builds the same engine, so their start-up collectives
-(the sharded load, the profile step, the KV-cache agreement, the CUDA graphs) pair up; then
-rank 0 serves HTTP and sends each step to the others, which run it until rank 0 stops.
+"""One GPU's share of serving (vLLM's and nano-vllm's Worker): the model, whole or this
+tensor-parallel rank's shard, its paged KV cache and CUDA graphs (a ModelRunner), the
+sampler, and the forward of every step.
 
-Stopping: SIGTERM or SIGINT reaches rank 0 (from the agent, or to the whole process group),
-which drains its requests and then releases the other ranks. Those ignore the signals: ending
-first would leave rank 0's last steps without their peers. Every rank ends with the launcher.
+Rank 0's LLMEngine owns a Worker and hands it each step. Under tensor parallelism that
+Worker first sends the step to the other ranks (serve.step_channel), whose Workers run it
+in run_loop(): that is all a rank above 0 does; it holds no tokenizer, scheduler, block
+manager or detokenizer. Sampling runs on rank 0 only, so nothing of it travels.
+
+Making a Worker only checks the config against the model (no collective, nothing loaded);
+start() is where the ranks meet: the step group, the sharded load, the profile step, the
+KV-cache agreement and the CUDA graph capture are collectives or hold some, so every rank
+runs start() from the same EngineConfig, and they pair up in this order.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from duoka.errors import DuokaError
-from duoka.host.lifetime import die_with_launcher, leave_after_return
-from duoka.serve.engine import LLMEngine
-from duoka.serve.server import serve
+from duoka.host.devices import compute_dtype_name
+from duoka.hub import bundled_model_dir, resolve_model_dir
+from duoka.models.qwen2.args import ModelOptions
+from duoka.models.qwen2.hf_adapter import load_hf_model, read_config
+from duoka.models.qwen2.model import Qwen2
+from duoka.models.qwen2.peft import merge_adapter
+from duoka.serve.config import EngineConfig
+from duoka.serve.params import MAX_LOGPROBS, SamplingParams
+from duoka.serve.runner import CacheShape, ModelRunner, StepInputs, available_kv_bytes, cache_shape
+from duoka.serve.sampling import PendingSample, Sampler, SampleRow
+from duoka.serve.step_channel import broadcast_step, step_group, worker_loop
+from duoka.serve.tp_shard import check_tp_size, load_tp_model, local_kv_heads
 
 
-def serve_worker_main(engine_options: dict, server_options: dict, result_file: str) -> int:
-    """Entry point of each rank. Rank 0 writes how it ended to result_file: the exit code, or
-    on a user error "2" and the error's lines, for the launcher to tell."""
-    rank = int(os.environ["RANK"])
-    die_with_launcher()
-    if rank == 0:
-        # The worker server ignores SIGTERM and its children inherit that; rank 0 takes it
-        # (the server drains on it once it listens).
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    else:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo")
-    options = {**engine_options, "device": str(device)}
-    if rank != 0:
-        options["log"] = _quiet
-    try:
-        engine = LLMEngine(tp_group=dist.group.WORLD, **options)
-        if rank != 0:
-            engine.run_worker()
-            return 0
-        code = serve(engine, **server_options)
-        Path(result_file).write_text(f"{code}\n")
-        return code
-    except DuokaError as e:
-        if rank == 0:
-            Path(result_file).write_text(f"2\n{e.cause}\n{e.fix or ''}\n")
-        print(f"error: {e.cause}", file=sys.stderr)
-        raise SystemExit(2)
-    finally:
-        dist.destroy_process_group()
-        leave_after_return()
+class StepRunner(Protocol):
+    """What a Worker needs of its runner: ModelRunner, or a benchmark's stand-in."""
+
+    def execute(self, inputs: StepInputs) -> torch.Tensor: ...
+
+
+# Builds the runner from ModelRunner's arguments (model, cache shape, device, max_model_len,
+# max_num_seqs, cuda_graphs): a benchmark of the host's work passes one whose execute
+# returns logits without running the model.
+RunnerFactory = Callable[[Qwen2, CacheShape, torch.device, int, int, bool], StepRunner]
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 def _quiet(message: str) -> None:
     """Ranks other than 0 say nothing: rank 0 speaks for the group."""
+
+
+def model_folder(model: str | None) -> Path:
+    """The folder a config's model names: a folder, a hub id's cached snapshot, or the bundled model."""
+    return resolve_model_dir(model) if model is not None else bundled_model_dir()
+
+
+def _checked_group(tp: int, group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """The tensor-parallel group (None at tp 1 without one): the given group, else the world."""
+    if group is None and tp == 1:
+        return None
+    if not dist.is_initialized():
+        raise DuokaError(f"tp={tp} needs torch.distributed initialised over {tp} processes",
+                         f"start the ranks with `duoka serve --tp {tp}`, which does")
+    group = group if group is not None else dist.group.WORLD
+    size = dist.get_world_size(group)
+    if size != tp:
+        raise DuokaError(f"the tensor-parallel group has {size} processes but the engine's tp is {tp}",
+                         f"give tp={size}, or a group of {tp} processes")
+    return group
+
+
+class Worker:
+    """The model side of serving on one device. folder: the config's model, already resolved
+    (rank 0's engine loads its tokenizer from it first); None resolves it here."""
+
+    def __init__(self, config: EngineConfig, *, folder: Path | None = None,
+                 tp_group: dist.ProcessGroup | None = None, log=_log, runner_factory: RunnerFactory = ModelRunner):
+        self.config = config
+        self.folder = folder if folder is not None else model_folder(config.model)
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise DuokaError("--device cuda was asked for but PyTorch sees no GPU",
+                             "run `nvidia-smi` to check the driver, or use --device cpu")
+        self.dtype = getattr(torch, compute_dtype_name(config.dtype, self.device.type))
+        self.args = read_config(self.folder)
+        context = self.args.max_seq_len
+        if config.max_model_len is not None and config.max_model_len > context:
+            raise DuokaError(f"--max-model-len {config.max_model_len} is longer than the model's context of "
+                             f"{context} tokens", f"use --max-model-len {context} or less")
+        self.max_model_len = config.max_model_len or context
+        self.group = _checked_group(config.tp, tp_group)
+        self.tp = config.tp
+        self.rank = dist.get_rank(self.group) if self.group is not None else 0
+        check_tp_size(self.args, self.tp)
+        if config.adapter is not None and self.tp > 1:
+            raise DuokaError("a LoRA adapter with tensor parallelism is not supported yet",
+                             "merge it first: duoka export ADAPTER --merge --out DIR, then serve DIR")
+        self.log = log
+        self.runner_factory = runner_factory
+        self.sampler = Sampler()
+        self.model: Qwen2 | None = None
+        self.shape: CacheShape | None = None
+        self.runner: StepRunner | None = None
+        self._steps_group: dist.ProcessGroup | None = None
+
+    # ---------------------------------------------------------------- start-up
+    def start(self) -> None:
+        """Load the model, size the KV cache and build the runner: on every rank, in this order."""
+        config = self.config
+        if self.tp > 1:  # every rank makes it at the same point (dist.new_group pairs up)
+            self._steps_group = step_group(self.group)
+        t0 = time.perf_counter()
+        self.model = self._load()
+        kv_bytes = self._kv_bytes() if config.num_kv_blocks is None else 0
+        shape = cache_shape(self.model, local_kv_heads(self.args, self.tp), config.block_size, self.dtype, kv_bytes,
+                            self.max_model_len, config.max_num_seqs, config.num_kv_blocks)
+        self.shape = shape
+        # The CUDA graphs are captured here, with the tp all-reduces inside: on every rank alike.
+        self.runner = self.runner_factory(self.model, shape, self.device, self.max_model_len, config.max_num_seqs,
+                                          config.cuda_graphs)
+        self.log(f"duoka: loaded {self.folder} on {self.device} ({str(self.dtype).removeprefix('torch.')}) in "
+                 f"{time.perf_counter() - t0:.1f} s; KV cache {shape.tokens:,} tokens in {shape.num_blocks:,} blocks "
+                 f"of {config.block_size} ({shape.num_blocks * shape.bytes_per_block / 2**30:.2f} GiB), maximum "
+                 f"concurrency {shape.tokens / self.max_model_len:.1f}x at {self.max_model_len:,} tokens per request")
+
+    def _load(self) -> Qwen2:
+        config = self.config
+        # Each decoder block runs as one compiled graph around the attention operator (compile
+        # None: on GPU only, where a decode step is then dozens of kernels per layer fewer;
+        # bench/NOTES.md, "Serving"). q/k/v and gate/up are loaded as one weight each: one
+        # matmul apiece without concatenating weights per step, which a decode bound by
+        # reading the weights cannot spare.
+        compile = self.device.type == "cuda" if config.compile is None else config.compile
+        options = ModelOptions(compile="block" if compile else "none", compile_dynamic=True, packed_projections=True)
+        if self.tp > 1:
+            model = load_tp_model(self.folder, self.args, self.group, self.device, self.dtype, options,
+                                  config.check_weights)
+        else:
+            model, _ = load_hf_model(self.folder, device=self.device, dtype=self.dtype, options=options,
+                                     check_weights=config.check_weights)
+        if config.adapter is not None:
+            # Before the profile step, the cache sizing and the CUDA graphs: they all see the merged weights.
+            merge_adapter(model, config.adapter)
+        model.requires_grad_(False)  # inference only: nothing compiled traces a backward
+        return model
+
+    def _kv_bytes(self) -> int:
+        """What this process's cache may take after a profiled worst-case step; under tensor
+        parallelism the least any rank can hold, so that every rank's cache is the same size."""
+        config = self.config
+        self._profile()
+        kv_bytes = available_kv_bytes(self.device, config.gpu_memory_utilization, config.kv_cache_memory_gib)
+        if self.tp > 1:
+            least = torch.tensor([kv_bytes], dtype=torch.int64, device=self.device)
+            dist.all_reduce(least, op=dist.ReduceOp.MIN, group=self.group)
+            kv_bytes = int(least.item())
+        return kv_bytes
+
+    @torch.inference_mode()
+    def _profile(self) -> None:
+        """On GPU, run the largest step the scheduler can make (a full token budget, logits for
+        max_num_seqs rows) so that the peak it leaves is counted before the cache is sized. Every
+        rank runs the same step, sampling included (as rank 0 does), so each measures rank 0's peak."""
+        if self.device.type != "cuda":
+            return
+        config = self.config
+        tokens = min(config.max_num_batched_tokens, self.max_model_len)
+        blocks = -(-tokens // config.block_size)
+        args = self.model.args
+        shape = CacheShape(args.n_layers, blocks, config.block_size, args.n_kv_heads, args.resolved_head_dim,
+                           self.dtype)
+        runner = ModelRunner(self.model, shape, self.device, self.max_model_len, cuda_graphs=False)
+        inputs = StepInputs(
+            token_ids=torch.zeros(tokens, dtype=torch.long), positions=torch.arange(tokens),
+            slot_mapping=torch.arange(tokens), block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+            context_lens=torch.tensor([tokens], dtype=torch.int32), query_start=torch.tensor([0, tokens], dtype=torch.int32),
+            logits_indices=torch.arange(tokens - min(tokens, config.max_num_seqs), tokens), max_query_len=tokens,
+            num_decodes=0, max_context_len=tokens, prefill_context=tokens)
+        # The sampler's worst case too: every row with top-k and top-p sorts the vocabulary.
+        worst = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=MAX_LOGPROBS)
+        logits = runner.execute(inputs)
+        self.sampler.sample(logits, [SampleRow(worst, 0, 0, []) for _ in range(len(logits))])
+        del runner
+        torch.cuda.synchronize(self.device)
+
+    # ---------------------------------------------------------------- steps
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """Rank 0: the step's logits [S, vocab]. Under tensor parallelism the step goes to the
+        other ranks first: their forwards' all-reduces meet this one's."""
+        if self._steps_group is not None:
+            broadcast_step(inputs, self._steps_group)
+        return self.runner.execute(inputs)
+
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> PendingSample:
+        """Rank 0: launch the sampling of `logits`, one row per entry of `rows`, without waiting."""
+        return self.sampler.launch(logits, rows)
+
+    def run_loop(self) -> None:
+        """A rank other than 0: run every step rank 0 sends, until its shutdown()."""
+        worker_loop(self.runner, self._steps_group)
+
+    def shutdown(self) -> None:
+        """Rank 0: release the other ranks (their run_loop returns)."""
+        if self._steps_group is not None and self.rank == 0:
+            broadcast_step(None, self._steps_group)
+
+
+def run_worker(config: EngineConfig, tp_group: dist.ProcessGroup | None = None) -> None:
+    """The whole life of a tensor-parallel rank above 0: its share of the start-up, then rank
+    0's steps until rank 0 stops."""
+    worker = Worker(config, tp_group=tp_group, log=_quiet)
+    worker.start()
+    worker.run_loop()

@@ -21,6 +21,7 @@ ranks.
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import math
 import os
@@ -33,7 +34,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.staging import AsyncStager, BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import (
@@ -51,14 +52,17 @@ from duoka.train.integrity import (
     MANIFEST,
     METADATA,
     STATE_FILE,
+    UNVERIFIED,
     copy_synced,
     disk_full,
     find_damage,
+    fix_for,
     fsync_dir,
     has_manifest,
     is_disk_full,
     load_metadata,
     read_state,
+    refused_item,
     write_manifest,
     write_rank_sums,
     write_synced,
@@ -78,43 +82,53 @@ def _step_dirs(run_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step of a checkpoints/step-N folder, from its name."""
+    return int(_STEP_DIR.match(path.name).group(1))
+
+
 def complete_checkpoints(run_dir: Path) -> list[Path]:
     """Complete checkpoints, oldest first (a folder counts once renamed and with its state file)."""
     return [p for p in _step_dirs(run_dir) if (p / STATE_FILE).is_file() and (p / METADATA).is_file()]
 
 
-def choose_resume_checkpoint(run_dir: Path, resume: str) -> tuple[Path | None, list[str]]:
+def choose_resume_checkpoint(run_dir: Path, resume: str, trust_unverified: bool = False
+                             ) -> tuple[Path | None, list[str]]:
     """The checkpoint to resume from, and what was skipped on the way (one line each).
     `auto` takes the newest checkpoint that passes every check (integrity.find_damage); a
-    named one must pass them, or it is an error."""
+    named one must pass them, or it is an error. One without a manifest passes only when
+    trusted (checkpoint.trust_unverified), with a warning."""
     if not resume:
         return None, []
+    unverified = "{} has no manifest (trusted by checkpoint.trust_unverified): not verified"
     if resume != "auto":
         path = Path(resume)
         if not any((path / name).is_file() for name in (STATE_FILE, METADATA, MANIFEST)):
             raise DuokaError(f"checkpoint.resume={resume} is not a duoka checkpoint (it has no {STATE_FILE}, "
                              f"{METADATA} or {MANIFEST})",
                              "point at a checkpoints/step-N folder, or use checkpoint.resume=auto")
-        if (damage := find_damage(path)) is not None:
-            raise DuokaError(f"checkpoint.resume={resume} is damaged: {damage}", FIX_DAMAGED)
-        return path, [] if has_manifest(path) else [f"{path} has no manifest (saved by an older duoka): not verified"]
+        if (damage := find_damage(path, trust_unverified)) is not None:
+            raise DuokaError(f"checkpoint.resume={resume} is damaged: {damage}", fix_for(damage))
+        return path, [] if has_manifest(path) else [unverified.format(path)]
     skipped = []
     candidates = _step_dirs(run_dir)
     for path in reversed(candidates):
-        if (damage := find_damage(path)) is None:
+        if (damage := find_damage(path, trust_unverified)) is None:
             if not has_manifest(path):
-                skipped.append(f"{path} has no manifest (saved by an older duoka): not verified")
+                skipped.append(unverified.format(path))
             return path, skipped
-        skipped.append(f"{path} is damaged, skipped: {damage}")
+        skipped.append(f"{path} is damaged, skipped: {damage}" if damage != UNVERIFIED else
+                       f"{path} is skipped: {damage} (--checkpoint.trust_unverified=true loads it)")
     if candidates:
         raise DuokaError(f"no intact checkpoint in {run_dir / 'checkpoints'}: " + "; ".join(skipped),
                          "restore the damaged files from a copy, or start afresh with another job.output_dir")
     return None, []
 
 
-def find_resume_checkpoint(run_dir: Path, resume: str, warn: Callable[[str], None] | None = None) -> Path | None:
+def find_resume_checkpoint(run_dir: Path, resume: str, warn: Callable[[str], None] | None = None,
+                           trust_unverified: bool = False) -> Path | None:
     """choose_resume_checkpoint, saying what it skipped through warn (stderr by default)."""
-    path, skipped = choose_resume_checkpoint(run_dir, resume)
+    path, skipped = choose_resume_checkpoint(run_dir, resume, trust_unverified)
     for line in skipped:
         (warn or _warn)(line)
     return path
@@ -140,7 +154,8 @@ def is_healthy(path: Path) -> bool:
 
 def prune(run_dir: Path, keep: int) -> None:
     """Keep the newest `keep` checkpoints and the newest `keep` healthy ones: an unhealthy
-    checkpoint never takes the place of a healthy one, so the newest healthy one survives."""
+    checkpoint never takes the place of a healthy one, so the newest healthy one survives.
+    Called once a normal step has followed the newest save (Checkpointer.prune_if_confirmed)."""
     done = complete_checkpoints(run_dir)
     healthy = [p for p in done if is_healthy(p)]
     kept = set(done[-keep:]) | set(healthy[-keep:])
@@ -267,6 +282,30 @@ class _Reader(dcp.FileSystemReader):
         return self.metadata
 
 
+class _PlainValuesPlanner(DefaultLoadPlanner):
+    """DCP's load planner, except for bytes items (the non-tensor values of the saved state:
+    the optimizer's hyper-parameters and step counts), which are unpickled by torch's
+    weights-only loader: it builds plain values and tensors and refuses every other global.
+    DCP's own planner hands them to torch.load(weights_only=False), so a .distcp shard
+    crafted to declare a pickled object as a bytes item would run its code on every rank."""
+
+    def __init__(self, folder: Path):
+        super().__init__()
+        self.folder = folder
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            plain = torch.load(value, weights_only=True)
+        except Exception as e:  # UnpicklingError for a refused global; anything else is damage
+            raise refused_item(self.folder, read_item.dest_index.fqn, e) from None
+        # Handed on as DCP stores it, re-saved from the plain value: DCP's own unpickling
+        # then reads bytes written here, never the file's.
+        again = io.BytesIO()
+        torch.save(plain, again)
+        again.seek(0)
+        super().load_bytes(read_item, again)
+
+
 def plain_name(name: str) -> str:
     """A parameter's name in the plain model, without the wrappers' prefixes."""
     for wrapper in ("_orig_mod.", "_checkpoint_wrapped_module.", "module."):
@@ -328,7 +367,7 @@ def async_stager(device: torch.device) -> AsyncStager:
 
 
 def save_checkpoint(run_dir: Path, step: int, model, optimizer, train_state: dict, tokenizer_files: list[str],
-                    keep: int, async_group=None, write_threads: int = 1, stager: AsyncStager | None = None):
+                    async_group=None, write_threads: int = 1, stager: AsyncStager | None = None):
     """Returns the checkpoint path, or a PendingSave when given async_group (a gloo process
     group of its own, since the background thread's collectives must not interleave with
     the training loop's on the same group) and the run's stager (see async_stager). Any
@@ -355,7 +394,6 @@ def save_checkpoint(run_dir: Path, step: int, model, optimizer, train_state: dic
             shutil.rmtree(final)
         os.replace(partial, final)
         fsync_dir(final.parent)
-        prune(run_dir, keep)
 
     try:
         if async_group is not None:
@@ -419,6 +457,6 @@ def load_model_weights(path: Path, model, no_dist: bool = False) -> None:
 
 def _load(state: dict, path: Path, no_dist: bool = False) -> None:
     try:
-        dcp.load(state, storage_reader=_Reader(path), no_dist=no_dist)
+        dcp.load(state, storage_reader=_Reader(path), planner=_PlainValuesPlanner(path), no_dist=no_dist)
     except CheckpointException as e:
         raise explain_checkpoint_error(e, "load", path) from None

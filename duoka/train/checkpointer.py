@@ -1,5 +1,10 @@
-"""Checkpoints as one component of the trainer: resume, blocking saves, and background
-saves (only the copy to host memory blocks training; one save in flight at a time)."""
+"""Checkpoints as one component of the trainer: resume, blocking saves, background saves
+(only the copy to host memory blocks training; one save in flight at a time), and retention.
+
+Retention waits for a normal step after the newest save before it deletes older checkpoints:
+a checkpoint saved just before a blow-up (its next step already non-finite) fails again when
+resumed, and the one to resume from is then an older one (Health.last_good_checkpoint), which
+must still exist. In a run without trouble that is one step later than the save."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from duoka.train.checkpoint_io import async_stager, load_checkpoint, save_checkpoint
+from duoka.train.checkpoint_io import async_stager, load_checkpoint, prune, save_checkpoint
 from duoka.train.step_end import sync_debug
 
 
@@ -21,6 +26,7 @@ class Checkpointer:
         self.async_group = dist.new_group(backend="gloo") if cfg.async_save else None
         self.stager = async_stager(device) if cfg.async_save else None
         self.pending = None
+        self.unconfirmed = False  # a save is published that no normal step has followed yet
 
     def load(self, path: Path, model, optimizer) -> dict:
         t = time.perf_counter()
@@ -34,13 +40,23 @@ class Checkpointer:
         t = time.perf_counter()
         self.finish()  # one save in flight at a time (waiting for it blocks training too)
         result = save_checkpoint(self.run_dir, step, model, optimizer, train_state, self.tokenizer_files,
-                                 self.cfg.keep, self.async_group, self.cfg.write_threads, self.stager)
+                                 self.async_group, self.cfg.write_threads, self.stager)
         if self.async_group is not None:
             # Blocked: waiting for the previous save, then the copy to host memory.
             result.step, result.blocked_s = step, time.perf_counter() - t
             self.pending = result
         else:
+            self.unconfirmed = True
             self.console.print(f"checkpoint step-{step} written: training blocked {time.perf_counter() - t:.2f} s")
+
+    def prune_if_confirmed(self, healthy: bool) -> None:
+        """Called after each step's end (healthy: its loss and gradient were finite) and at the
+        run's end: once a normal step follows the newest save, older checkpoints beyond
+        checkpoint.keep go. Rank 0's file-system work; no collective."""
+        if self.unconfirmed and healthy and self.pending is None:
+            self.unconfirmed = False
+            if dist.get_rank() == 0:
+                prune(self.run_dir, self.cfg.keep)
 
     @property
     def written_here(self) -> bool:
@@ -60,6 +76,7 @@ class Checkpointer:
             return
         pending, self.pending = self.pending, None
         pending.finish()  # every rank: a failed save is one DuokaError everywhere
+        self.unconfirmed = True
         self.console.print(f"checkpoint step-{pending.step} written in the background: training blocked "
                            f"{pending.blocked_s:.2f} s")
 

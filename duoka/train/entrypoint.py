@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from duoka.errors import DuokaError
+from duoka.errors import DuokaError, file_error
 from duoka.host.lifetime import die_with_launcher, leave_after_return
 from duoka.train.checkpoint_io import find_resume_checkpoint, read_train_state
 from duoka.train.run_files import error_report_path, write_error_report
@@ -97,7 +97,7 @@ def init_distributed(reliability) -> torch.device:
 def restart_resume_point(spec: RunSpec) -> tuple[str | None, int]:
     """Where a group restarted after a failure continues: the newest intact checkpoint of the
     run (the last one the failed group saved), or where the job started if it saved none."""
-    newest = find_resume_checkpoint(Path(spec.run_dir), "auto")
+    newest = find_resume_checkpoint(Path(spec.run_dir), "auto", trust_unverified=spec.cfg.checkpoint.trust_unverified)
     if newest is None:
         return spec.resume_from, spec.resume_step
     step = read_train_state(newest)["step"]
@@ -157,6 +157,9 @@ def worker_main(spec: RunSpec) -> int | None:
                      "full, or shard with parallel.dp_mode=fsdp")
         raise SystemExit(2)
     except Exception as e:
+        if (error := file_error(e)) is not None:  # a full disk, a read-only folder: the user's to mend
+            report_error(spec.run_dir, rank, error.cause, error.fix)
+            raise SystemExit(2) from None
         lost_peer = any(phrase in str(e) for phrase in _LOST_PEER)
         report_error(spec.run_dir, rank, f"worker {rank} crashed:\n{traceback.format_exc()}", None, lost_peer)
         if lost_peer:

@@ -27,6 +27,7 @@ from duoka.train.integrity import (
     MANIFEST,
     METADATA,
     STATE_FILE,
+    UNVERIFIED,
     disk_full,
     find_damage,
     has_manifest,
@@ -38,10 +39,11 @@ from duoka.train.run_files import TOKENIZER_FILES
 
 def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_shard_size: str = "5GB",
                       no_dist: bool = False, warn: Callable[[str], None] | None = None, merge: bool = False,
-                      base: str | None = None) -> Path:
+                      base: str | None = None, trust_unverified: bool = False, check_weights: bool = True) -> Path:
     """no_dist: read in this process alone although a process group exists (the trainer's
     rank 0 exporting at the end of a pipeline-parallel run). The checkpoint passes the
-    checks a resume does (manifest, restricted metadata unpickler) before any tensor is read.
+    checks a resume does (manifest, restricted unpicklers) before any tensor is read; one
+    without a manifest only when trust_unverified.
 
     A LoRA run's checkpoint becomes a PEFT adapter folder (its tensors in fp32, as trained),
     or with `merge` the base with the adapter merged in, as a whole Hugging Face model;
@@ -50,12 +52,14 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_
         hint = " (a .partial folder is an interrupted save)" if checkpoint.name.endswith(".partial") else ""
         raise DuokaError(f"{checkpoint} is not a complete duoka checkpoint{hint}",
                          "pass a RUN_DIR/checkpoints/step-N folder, or a LoRA adapter folder with --merge")
-    if (damage := find_damage(checkpoint)) is not None:
+    if (damage := find_damage(checkpoint, trust_unverified)) is not None:
         raise DuokaError(f"{checkpoint} is damaged: {damage}",
                          "export another checkpoint of the run (RUN_DIR/checkpoints/step-N), or restore this one's "
-                         "files from a copy")
+                         "files from a copy" if damage != UNVERIFIED else
+                         "export a checkpoint that has one; if you trust this one (saved by a duoka older than "
+                         "manifests, or copied without it), add --trust-unverified")
     if not has_manifest(checkpoint) and warn is not None:
-        warn(f"{checkpoint} has no manifest (saved by an older duoka): not verified")
+        warn(f"{checkpoint} has no manifest (trusted by --trust-unverified): not verified")
     state = read_state(checkpoint)
     args = ModelArgs(**state["model_args"])
     lora = saved_lora(state)
@@ -72,14 +76,14 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_
         trained = {plain_name(n): p.detach() for n, p in model.named_parameters() if p.requires_grad}
         if not merge:
             return save_adapter(trained, lora, args, out, base_name(state.get("base")), extra)
-        model = _base_model(checkpoint, state, args, base)
+        model = _base_model(checkpoint, state, args, base, check_weights)
         if lora.quantized:  # QLoRA: into the base it trained on, the NF4 base dequantised
             dequantized_base_(model)
         merge_adapter(model, Adapter(checkpoint, lora.scaling, trained, None))
     return _save_model(model, out, dtype, max_shard_size, extra)
 
 
-def _base_model(checkpoint: Path, state: dict, args: ModelArgs, override: str | None):
+def _base_model(checkpoint: Path, state: dict, args: ModelArgs, override: str | None, check_weights: bool):
     """The frozen base a LoRA checkpoint was trained on, whole on the host in fp32: read
     from its folder (checked against the recorded fingerprint) or drawn from its seed."""
     recorded = state.get("base")
@@ -97,12 +101,12 @@ def _base_model(checkpoint: Path, state: dict, args: ModelArgs, override: str | 
     if recorded["kind"] != "folder" or fingerprint(folder) != recorded["fingerprint"]:
         raise DuokaError(f"{folder} is not the base {checkpoint}'s adapters were trained on (another fingerprint)",
                          f"give --base the folder of that base ({recorded.get('path', 'a random init')})")
-    load_hf_weights(model, folder)
+    load_hf_weights(model, folder, check_weights=check_weights)
     return model
 
 
 def merge_adapter_folder(adapter_dir: Path, out: Path, dtype: str = "bfloat16", max_shard_size: str = "5GB",
-                         base: str | None = None) -> Path:
+                         base: str | None = None, check_weights: bool = True) -> Path:
     """A PEFT LoRA adapter folder (a LoRA run's hf/step-N, or PEFT's own) merged into its
     base (`base`, else the adapter's base_model_name_or_path) as a whole Hugging Face model."""
     adapter = read_adapter(adapter_dir)
@@ -110,7 +114,7 @@ def merge_adapter_folder(adapter_dir: Path, out: Path, dtype: str = "bfloat16", 
     if not base:
         raise DuokaError(f"{adapter_dir}/adapter_config.json names no base model (base_model_name_or_path)",
                          "give the base model's folder or hub id with --base")
-    model, folder = load_hf_model(base, "cpu", torch.float32)
+    model, folder = load_hf_model(base, "cpu", torch.float32, check_weights=check_weights)
     merge_adapter(model, adapter)
     extra = [f for name in TOKENIZER_FILES for f in (adapter_dir / name, folder / name) if f.is_file()]
     return _save_model(model, out, dtype, max_shard_size, list({f.name: f for f in reversed(extra)}.values()))

@@ -28,7 +28,7 @@ from duoka import runtime
 from duoka.config import ReliabilityConfig
 from duoka.errors import DuokaError
 from duoka.parallel.dtensor import local_value
-from duoka.train.checkpoint_io import complete_checkpoints, is_healthy
+from duoka.train.checkpoint_io import checkpoint_step, complete_checkpoints, is_healthy
 from duoka.train.step_end import to_host
 
 # The smallest standard deviation a spike is measured against, in nats: a flat stretch of loss
@@ -48,6 +48,10 @@ class Health:
         self.in_row = 0  # non-finite steps in a row, up to the last ended step
         self.skipped = 0  # updates skipped in the whole run
         self.ended = start_step  # the last step (1-based) whose end was seen
+        # The first step of the latest stretch of troubled steps (non-finite or a loss spike): a
+        # checkpoint whose next step was already in it is no place to resume from.
+        self.trouble_start: int | None = None
+        self.last_troubled = -1  # the last troubled step
         self._launched = start_step  # steps whose update was decided: the next forward is step _launched + 1
         self._pending: dict[int, tuple] = {}  # step -> (skip flag in host memory, spike statistics or None)
         self.inject_nan_step = inject_nan_step
@@ -109,12 +113,17 @@ class Health:
         self.skipped += skipped
         self.ended = n
         zscore = (loss - stats[0]) / stats[1] if stats is not None and math.isfinite(loss) else None
+        spike = zscore is not None and zscore > self.zscore
+        if not finite or spike:
+            if self.trouble_start is None or self.last_troubled != n - 1:
+                self.trouble_start = n
+            self.last_troubled = n
         if math.isfinite(loss):
             # A spike stays in the window: a lasting rise of the loss then stops counting as one
             # after a few steps instead of being skipped for ever.
             self.history = (self.history + [(n, loss)])[-(self.window + 1):]
         record["health"] = {"skipped": skipped, "nonfinite_in_row": self.in_row, "skipped_steps": self.skipped,
-                            "loss_zscore": zscore, "spike": zscore is not None and zscore > self.zscore}
+                            "loss_zscore": zscore, "spike": spike}
 
     def raise_if_failing(self) -> None:
         """After max_nonfinite_steps non-finite steps in a row: stop, naming the last good checkpoint."""
@@ -134,8 +143,13 @@ class Health:
         return f"resume from the last good checkpoint {good} {change}: --checkpoint.resume={good}"
 
     def last_good_checkpoint(self) -> Path | None:
-        """The newest complete checkpoint written while the run was healthy."""
-        return next((p for p in reversed(complete_checkpoints(self.run_dir)) if is_healthy(p)), None)
+        """The newest complete checkpoint written while the run was healthy and followed by at
+        least one normal step: one saved just before the trouble began would diverge again."""
+        before = self.trouble_start - 1 if self.trouble_start is not None else None
+        for path in reversed(complete_checkpoints(self.run_dir)):
+            if is_healthy(path) and (before is None or checkpoint_step(path) < before):
+                return path
+        return None
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -5,7 +5,9 @@
   the files it wrote (in parallel across ranks) and leaves them in a `.sums-RANK.json`;
   rank 0 folds those into the manifest with its own files' sums.
 - DCP's `.metadata` is a pickle, and unpickling runs whatever code it names: it is read
-  by an unpickler that builds only the classes DCP writes there, and refuses the rest.
+  by an unpickler that builds only the classes DCP writes there, and refuses the rest. The
+  shards' bytes items are pickles too: checkpoint_io's load planner reads them with torch's
+  weights-only loader (refused_item names what it refuses).
 - Files are fsynced before the folder is renamed into place, so a power loss cannot leave
   a renamed checkpoint with missing data.
 """
@@ -38,6 +40,12 @@ _SUMS = ".sums-{rank}.json"
 FIX_DAMAGED = ("resume from another checkpoint of the run (checkpoint.resume=auto takes the newest intact one), "
                "or restore this folder's files from a copy")
 FIX_WRITE = "check the disk under job.output_dir (free space, permissions, quota)"
+# A checkpoint without its manifest cannot be told from a damaged or altered one: it is
+# refused unless the user vouches for it (checkpoint.trust_unverified; export --trust-unverified).
+UNVERIFIED = f"{MANIFEST} is missing: its files cannot be verified"
+FIX_UNVERIFIED = ("resume from a checkpoint that has one (checkpoint.resume=auto takes the newest intact one); if you "
+                  "trust this one (saved by a duoka older than manifests, or copied without it), pass "
+                  "--checkpoint.trust_unverified=true (duoka export: --trust-unverified)")
 
 
 def checksum(path: Path) -> str:
@@ -105,10 +113,12 @@ def has_manifest(folder: Path) -> bool:
     return (folder / MANIFEST).is_file()
 
 
-def find_damage(folder: Path) -> str | None:
-    """What is wrong with this checkpoint folder, or None when every check passes. Without
-    a manifest (a checkpoint saved before duoka wrote one) only the metadata and the state
-    file are checked."""
+def find_damage(folder: Path, trust_unverified: bool = False) -> str | None:
+    """What is wrong with this checkpoint folder, or None when every check passes. Without a
+    manifest it is UNVERIFIED, unless trusted: then only the metadata and the state file are
+    checked."""
+    if not has_manifest(folder) and not trust_unverified:
+        return UNVERIFIED
     problems = _manifest_problems(folder) if has_manifest(folder) else []
     if not problems:
         for name in (STATE_FILE, METADATA):
@@ -152,6 +162,11 @@ def _manifest_problems(folder: Path) -> list[str]:
             problems.append(f"{name} fails its checksum ({CHECKSUM} {entry[CHECKSUM]}, written as "
                             f"{files[name][CHECKSUM]}): its bytes changed after it was saved")
     return problems
+
+
+def fix_for(damage: str) -> str:
+    """The fix for what find_damage found."""
+    return FIX_UNVERIFIED if damage == UNVERIFIED else FIX_DAMAGED
 
 
 def read_state(folder: Path) -> dict:
@@ -208,6 +223,16 @@ def load_metadata(folder: Path):
         raise DuokaError(f"{path} is missing", FIX_DAMAGED) from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, OSError) as e:
         raise DuokaError(f"{path} is truncated or damaged ({type(e).__name__}: {e})", FIX_DAMAGED) from None
+
+
+def refused_item(folder: Path, item: str, e: Exception) -> DuokaError:
+    """A bytes item of a shard that torch's weights-only unpickler refused (or could not read)."""
+    why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if isinstance(e, pickle.UnpicklingError):
+        return DuokaError(f"{folder}: item {item} holds a pickled object that is not a plain value or tensor ({why}): "
+                          "refused to unpickle it (a crafted pickle runs code)",
+                          "load only checkpoints you trust; this one was not written by duoka, or was altered")
+    return DuokaError(f"{folder}: item {item} is damaged ({type(e).__name__}: {why})", FIX_DAMAGED)
 
 
 def is_disk_full(e: BaseException) -> bool:

@@ -72,7 +72,7 @@ def attention_kernel(choice: str, device: torch.device) -> str | None:
 
 def model_options(cfg, dims: ParallelDims, device: torch.device, compile: bool) -> ModelOptions:
     """The model's kernels for this device; `compile`: training.compile as resolved and
-    checked (duoka.train.compiling)."""
+    checked (duoka.train.compile_check)."""
     compile_mode = "none"
     if compile:
         # Tensor parallelism's input/output hooks must stay outside the compiled region:
@@ -114,15 +114,16 @@ class Filler:
     A LoRA model's frozen base is not in its checkpoints: it is filled on resume too, and
     its adapters start from their own init when the base comes from a folder."""
 
-    def __init__(self, model_dir: str | None, seed: int, resuming: bool, partial: bool):
+    def __init__(self, model_dir: str | None, seed: int, resuming: bool, partial: bool, check_weights: bool = True):
         self.model_dir, self.seed, self.resuming, self.partial = model_dir, seed, resuming, partial
+        self.check_weights = check_weights
 
     def __call__(self, model) -> None:
         lora = getattr(model, "lora", None) is not None
         if self.resuming and not lora:
             return
         if self.model_dir:
-            load_hf_weights(model, Path(self.model_dir), allow_unused=self.partial)
+            load_hf_weights(model, Path(self.model_dir), allow_unused=self.partial, check_weights=self.check_weights)
             if lora and not self.resuming:
                 model.init_weights(seed=self.seed, adapters_only=True)
         else:

@@ -1,5 +1,5 @@
 """The files of a run directory that the launcher and the workers both read or write, beside
-design.md's contract (config.toml, metrics.jsonl, checkpoints/): a stop's marker, the restart
+the files users rely on (config.toml, metrics.jsonl, checkpoints/): a stop's marker, the restart
 log, the workers' error reports, and which tokenizer files travel with a checkpoint.
 
 Imports no torch: the launcher reads these before and after its workers run."""
@@ -10,6 +10,8 @@ import contextlib
 import json
 import sys
 from pathlib import Path
+
+from duoka.state_files import read_jsonl
 
 # Written into the run directory by rank 0 when a run saved and stopped early (SIGTERM or
 # SIGINT); node 0's launcher removes it when a run starts.
@@ -51,10 +53,10 @@ def read_error_reports(run_dir: str | Path) -> dict[int, dict]:
 
 
 def last_logged_step(run_dir: Path) -> int | None:
-    """The step of metrics.jsonl's last readable record (None: no step logged)."""
+    """The step of metrics.jsonl's last whole record (None: no step logged)."""
     path = run_dir / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    for line in reversed(lines):
+    records = read_jsonl(path)[0] if path.exists() else []
+    for record in reversed(records):
         with contextlib.suppress(ValueError, KeyError, TypeError):
-            return int(json.loads(line)["step"])
+            return int(record["step"])
     return None

@@ -33,7 +33,7 @@ from duoka.plan.memory import auto_blocks_per_unit
 from duoka.train import adapters
 from duoka.train.batch_plan import pipeline_microbatches, plan_batch
 from duoka.train.checkpoint_io import find_resume_checkpoint, read_train_state
-from duoka.train.compiling import failing_ranks
+from duoka.train.compile_check import failing_ranks
 from duoka.train.load_balance import check_config as check_balance_config
 from duoka.train.optimizers import check_optimizer
 from duoka.train.optimizers import check_resume as check_optimizer_resume
@@ -188,7 +188,8 @@ def resolve_resume(spec: RunSpec, run_dir: Path, log: Log) -> RunSpec:
     checkpoint checkpoint.resume names there, checked against this run (LoRA base, optimizer,
     steps). Called by the launcher holding the run directory."""
     cfg = spec.cfg
-    resume_from = find_resume_checkpoint(run_dir, cfg.checkpoint.resume)
+    resume_from = find_resume_checkpoint(run_dir, cfg.checkpoint.resume,
+                                         trust_unverified=cfg.checkpoint.trust_unverified)
     resume_step = 0
     if resume_from is not None:
         train_state = read_train_state(resume_from)

@@ -1,5 +1,5 @@
 """Per-step metrics: every rank's figures gathered in one collective, one record built
-from them (design.md's metrics.jsonl contract plus `per_rank`, `gpus`, `phase_s`, `host_s`,
+from them (docs/monitoring.md's metrics.jsonl fields plus `per_rank`, `gpus`, `phase_s`, `host_s`,
 `balance`, `alerts`), and that record handed to every sink, the alerts and the console.
 
 RankFigures is the one schema: what a rank measures, what travels in the gather, and
@@ -23,6 +23,7 @@ from duoka.monitor.alerts import check as check_alerts
 from duoka.monitor.gpu import GpuSample, GpuSampler, decode_clock_reasons, index_of_uuid, load_nvml
 from duoka.monitor.mfu import mfu
 from duoka.monitor.sinks import MetricsFile, PrometheusSink, TensorBoardSink
+from duoka.state_files import cut_torn_tail, read_jsonl, write_whole
 from duoka.train.run_files import RESTARTS_LOG
 
 # GpuSample fields carried per rank; the two masks are decoded into word lists in the record.
@@ -93,11 +94,11 @@ class StepMetrics:
         self.group = dist.new_group(backend="gloo")
         self.active_alerts: set[str] = set()
         if rank == 0:
-            truncate_metrics(run_dir / "metrics.jsonl", start_step)
+            truncate_metrics(run_dir / "metrics.jsonl", start_step, console.print)
         # Automatic restarts of this run so far (--max-restarts; node 0's launcher logs each
         # one before it starts the group again).
         restarts = run_dir / RESTARTS_LOG
-        self.restarts = len(restarts.read_text().splitlines()) if restarts.exists() else 0
+        self.restarts = len(read_jsonl(restarts)[0]) if restarts.exists() else 0
         self.sinks = self._open_sinks()
         self.gpu_sampler = self._gpu_sampler()
 
@@ -223,14 +224,14 @@ def memory_figures(device: torch.device) -> dict:
             "alloc_retries": stats.get("num_alloc_retries", 0), "ooms": stats.get("num_ooms", 0)}
 
 
-def truncate_metrics(path: Path, last_step: int) -> None:
+def truncate_metrics(path: Path, last_step: int, warn=None) -> None:
     """On resume, drop records past the checkpoint (a run that died after logging steps it
-    never saved): metrics.jsonl then holds each step once, as if never interrupted."""
+    never saved) and a torn last line (a write cut short by a full disk or a kill, said
+    through warn): metrics.jsonl then holds each step once, as if never interrupted."""
     if not path.exists():
         return
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in lines if json.loads(line)["step"] <= last_step]
-    if len(kept) != len(lines):
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, path)
+    cut_torn_tail(path, warn)
+    records, _ = read_jsonl(path)
+    kept = [r for r in records if r.get("step", 0) <= last_step]
+    if len(kept) != len(records):
+        write_whole(path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in kept))

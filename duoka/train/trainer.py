@@ -30,32 +30,32 @@ from torch.distributed.tensor.parallel import loss_parallel
 from duoka.cache import INDUCTOR_CACHE_ENV
 from duoka.data.dataset import PackedWindows, Prefetcher, RandomTokens, share_batches, step_inputs
 from duoka.data.sft import SFTWindows
+from duoka.host.devices import compute_dtype_name
 from duoka.models.lora import trainable_numel
 from duoka.models.loss import IGNORE_INDEX, compiled_cross_entropy_sum, cross_entropy_sum
 from duoka.models.qwen2.args import ModelArgs
 from duoka.monitor.mfu import peak_flops
-from duoka.host.devices import compute_dtype_name
 from duoka.parallel.dims import ParallelDims
 from duoka.parallel.dtensor import full_value
 from duoka.parallel.parallelize import ParallelOptions, check_float8, float8_gathers, precompute_float8_scales
 from duoka.plan.memory import auto_blocks_per_unit
 from duoka.timing import Mark, PhaseTimer
 from duoka.train.adapters import lora_args
-from duoka.train.load_balance import LoadBalancing
+from duoka.train.batch_plan import pipeline_microbatches, plan_batch
 from duoka.train.checkpointer import Checkpointer
-from duoka.train.compiling import agree_to_compile, check_compile, check_stamp, compile_wanted, failing_ranks
+from duoka.train.compile_check import agree_to_compile, check_compile, check_stamp, compile_wanted, failing_ranks
 from duoka.train.console import console_for
 from duoka.train.export import export_trained
 from duoka.train.health import Health
-from duoka.train.step_metrics import RankFigures, StepMetrics, memory_figures
-from duoka.train.model_setup import Filler, Pipeline, auto_micro_batch, build_training_model, model_options
-from duoka.train.batch_plan import pipeline_microbatches, plan_batch
+from duoka.train.load_balance import LoadBalancing
 from duoka.train.lr_schedule import effective_lr, lr_at
+from duoka.train.model_setup import Filler, Pipeline, auto_micro_batch, build_training_model, model_options
 from duoka.train.optimizers import build_optimizer, clip_to_norm
 from duoka.train.profiling import StepProfiler
 from duoka.train.run_files import STOPPED_MARKER
 from duoka.train.spec import RunSpec
 from duoka.train.step_end import StepEnd, sync_debug, to_host
+from duoka.train.step_metrics import RankFigures, StepMetrics, memory_figures
 from duoka.train.watchdog import Watchdog
 
 # The data thread builds up to PREFETCH_DEPTH + 1 steps ahead of the one training. New
@@ -96,29 +96,7 @@ class Trainer:
         self.batch = plan_batch(cfg.training.global_batch_size, self.dp_size, micro_batch)
         self.balance = LoadBalancing(cfg, dims, self.rank, self.world, device, cfg.training.global_batch_size,
                                      micro_batch, lag=PREFETCH_DEPTH + 2, console=self.console)
-        self.options = model_options(cfg, dims, device, compile=self._compile_works())
-        self.compiled = self.options.compile != "none"
-        # Where the compiled artefacts go (the launcher set it: duoka.cache), for the console.
-        self.compile_cache = os.environ.get(INDUCTOR_CACHE_ENV) if self.compiled else None
-        # Compiling the plain loss fuses away the fp32 logits (not under tp: loss_parallel's DTensors).
-        self.compile_loss = self.compiled and dims.tp == 1
-        par = ParallelOptions(compute_dtype=self.compute_dtype,
-                              activation_checkpointing=cfg.training.activation_checkpointing == "full",
-                              float8=cfg.training.float8, fsdp_blocks_per_unit=units,
-                              reshard_after_forward=cfg.parallel.reshard_after_forward,
-                              ddp_bucket_mb=cfg.parallel.ddp_bucket_mb)
-        fill = Filler(spec.model_dir, cfg.training.seed, resuming=spec.resume_from is not None, partial=dims.pp > 1)
-        self.pipeline = None
-        if dims.pp > 1:
-            self.pipeline = Pipeline(cfg, self.args, self.options, par, dims, self.mesh, self.rank, self.world, device,
-                                     fill, self.balance.timer, spec.stage_layers, self.balance.slow_factor,
-                                     self.console)
-            self.pipeline.build_schedule(pipeline_microbatches(cfg, self.batch.per_rank, self.batch.accumulation),
-                                         self._pipeline_loss)
-            self.model = self.pipeline.model
-        else:
-            self.model = build_training_model(self.args, self.options, par, dims, self.mesh, device, fill,
-                                              self.balance.timer, self.lora)
+        self.model = self._build_model(units)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # Gradients in the norm: a later pipeline stage's copy of the tied embedding is left out.
         tied_copy = self.pipeline is not None and self.pipeline.holds_tied_copy
@@ -136,12 +114,7 @@ class Trainer:
         self.health = Health(cfg.reliability, cfg.debug.inject_nan_step, self.model, self.run_dir, device,
                              self.counts_for_metrics, self.start_step)
         if spec.resume_from:
-            state = self.checkpointer.load(Path(spec.resume_from), self.model, self.optimizer)
-            self.start_step, self.tokens_seen = state["step"], state["tokens"]
-            if "balance" in state:
-                self.balance.load_state_dict(state["balance"])
-            if "health" in state:
-                self.health.load_state_dict(state["health"])
+            self._resume(Path(spec.resume_from))
         peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                           cfg.metrics.peak_tflops)
         self.metrics = StepMetrics(cfg, self.run_dir, self.rank, self.world, device, self.args.num_params(),
@@ -150,9 +123,47 @@ class Trainer:
         self.watchdog = Watchdog.start(cfg.reliability, self.run_dir, self.rank, self.world, device.type,
                                        self.start_step, self.console)
 
+    def _build_model(self, units: int):
+        """The model as this rank runs it: kernels and compilation chosen for the device (the
+        compile check agreed by every rank), then the training layout applied; under pp the
+        pipeline's stages and schedule."""
+        cfg, dims, device, spec = self.cfg, self.dims, self.device, self.spec
+        self.options = model_options(cfg, dims, device, compile=self._compile_works())
+        self.compiled = self.options.compile != "none"
+        # Where the compiled artefacts go (the launcher set it: duoka.cache), for the console.
+        self.compile_cache = os.environ.get(INDUCTOR_CACHE_ENV) if self.compiled else None
+        # Compiling the plain loss fuses away the fp32 logits (not under tp: loss_parallel's DTensors).
+        self.compile_loss = self.compiled and dims.tp == 1
+        par = ParallelOptions(compute_dtype=self.compute_dtype,
+                              activation_checkpointing=cfg.training.activation_checkpointing == "full",
+                              float8=cfg.training.float8, fsdp_blocks_per_unit=units,
+                              reshard_after_forward=cfg.parallel.reshard_after_forward,
+                              ddp_bucket_mb=cfg.parallel.ddp_bucket_mb)
+        fill = Filler(spec.model_dir, cfg.training.seed, resuming=spec.resume_from is not None, partial=dims.pp > 1,
+                      check_weights=cfg.model.check_weights)
+        self.pipeline = None
+        if dims.pp > 1:
+            self.pipeline = Pipeline(cfg, self.args, self.options, par, dims, self.mesh, self.rank, self.world, device,
+                                     fill, self.balance.timer, spec.stage_layers, self.balance.slow_factor,
+                                     self.console)
+            self.pipeline.build_schedule(pipeline_microbatches(cfg, self.batch.per_rank, self.batch.accumulation),
+                                         self._pipeline_loss)
+            return self.pipeline.model
+        return build_training_model(self.args, self.options, par, dims, self.mesh, device, fill,
+                                    self.balance.timer, self.lora)
+
+    def _resume(self, path: Path) -> None:
+        """Every component's state from the checkpoint: model, optimizer, step, balance shares, health."""
+        state = self.checkpointer.load(path, self.model, self.optimizer)
+        self.start_step, self.tokens_seen = state["step"], state["tokens"]
+        if "balance" in state:
+            self.balance.load_state_dict(state["balance"])
+        if "health" in state:
+            self.health.load_state_dict(state["health"])
+
     def _compile_works(self) -> bool:
         """training.compile for this device, checked on every rank before the model exists
-        (duoka.train.compiling): False on all ranks where it failed on any."""
+        (duoka.train.compile_check): False on all ranks where it failed on any."""
         cfg, dims, device = self.cfg, self.dims, self.device
         if not compile_wanted(cfg.training.compile, device):
             return False
@@ -330,6 +341,7 @@ class Trainer:
         self.metrics.publish(record, time.perf_counter() - started, self.watchdog.take_alerts())
         self.checkpointer.finish_if_written_everywhere(all(r.save_done for r in ranks))
         self.health.raise_if_failing()
+        self.checkpointer.prune_if_confirmed(self.health.healthy)
         return any(r.stop for r in ranks)
 
     # ------------------------------------------------------------------ the loop
@@ -397,6 +409,7 @@ class Trainer:
         if step + 1 > self.start_step or not (self.run_dir / "checkpoints" / f"step-{steps}").exists():
             self._save(steps)
         self.checkpointer.finish()
+        self.checkpointer.prune_if_confirmed(self.health.healthy)  # the run ended normally
         final = None
         if cfg.checkpoint.export_final:
             self.watchdog.enter("export of the final model")

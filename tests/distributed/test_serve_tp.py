@@ -18,11 +18,13 @@ import torch.multiprocessing as mp
 from duoka.models.qwen2.args import ModelArgs
 from duoka.models.qwen2.hf_adapter import load_hf_model, read_config, save_hf_checkpoint
 from duoka.models.qwen2.model import build_model, materialize
-from duoka.serve.tp_shard import load_tp_model, local_kv_heads
+from duoka.serve.config import EngineConfig
 from duoka.serve.engine import LLM
 from duoka.serve.params import SamplingParams
 from duoka.serve.runner import CacheShape, ModelRunner, StepInputs
 from duoka.serve.step_channel import broadcast_step, worker_loop
+from duoka.serve.tp_shard import load_tp_model, local_kv_heads
+from duoka.serve.worker import run_worker
 
 BLOCK = 4
 PROMPT = 10  # prefill tokens; one decode step follows
@@ -115,13 +117,14 @@ def _worker(rank: int, tp: int, init_file: str, folders: dict, out_dir: str, eng
             worker_loop(recorder, None)
         result["inputs"], result["paged"] = recorder.received, recorder.logits
         results[case] = result
-    if engine:  # every rank builds the engine; rank 0 serves, the others run its steps
-        llm = LLM(None, tp_group=dist.group.WORLD, **ENGINE)
+    if engine:  # rank 0 builds the engine and serves; the others build only a worker and run its steps
+        options = {k: v for k, v in ENGINE.items() if k != "log"}
         if rank == 0:
+            llm = LLM(None, tp=tp, tp_group=dist.group.WORLD, **ENGINE)
             results["engine"] = [c.token_ids for c in llm.generate(PROMPTS, GREEDY)]
             llm.engine.shutdown()
         else:
-            llm.engine.run_worker()
+            run_worker(EngineConfig(tp=tp, **options), dist.group.WORLD)
     torch.save(results, f"{out_dir}/rank{rank}.pt")
     dist.destroy_process_group()
 

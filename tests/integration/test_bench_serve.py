@@ -21,9 +21,9 @@ from pathlib import Path
 import httpx2 as httpx
 import pytest
 
-from duoka.hub import bundled_model_dir
-from duoka.host.ports import free_port
 from duoka.bench import loadgen
+from duoka.host.ports import free_port
+from duoka.hub import bundled_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = str(bundled_model_dir())  # served under its folder's path, so the bench finds its vocabulary
@@ -190,7 +190,8 @@ def test_training_bench_parses_as_before():
 
 def test_random_prompts_are_the_peers():
     """The peer script's workload(requests=20, prompt_min=3, prompt_max=40, vocab=1000), seed 0,
-    as it printed them (../shared/peer/hf_qwen2_serve_baseline.py is not in every checkout)."""
+    as bench/peers/serve_peer.py prints them (the test does not run the peer: transformers'
+    continuous batching takes minutes on a CPU)."""
     prompts = loadgen.random_prompts(20, 3, 40, 1000, 0)
     assert [len(p) for p in prompts][:8] == [27, 29, 5, 19, 35, 34, 28, 22]
     assert prompts[0][:5] == [318, 102, 748, 76, 921] and prompts[-1][-3:] == [507, 730, 660]
@@ -219,11 +220,13 @@ def test_poisson_arrivals_are_seeded_and_at_the_rate():
 
 def test_guidellm_agrees_on_output_throughput(server):
     """guidellm reads duoka serve's streams without an error, gets every output token, and
-    measures the output tokens/s duoka bench serve measures on the same shape of workload,
-    within 10%. Long outputs (128 tokens) keep guidellm's few milliseconds between one
-    request's end and the next one's start out of the comparison; 48 requests (~7 s of load
-    for each client) because one CPU run's rate varies: 16 requests gave ratios of 0.90 to 1.10
-    in three runs in a row, 48 gave 0.99 to 1.08 in four."""
+    measures the output tokens/s duoka bench serve measures, within 20%: both clients at once
+    (two streams each) on the same prompts, so each sees the server in the same seconds. On
+    this CPU server one run's speed drifts by up to 20% from the next, which made two runs one
+    after the other disagree by 0.85-1.26 (and random ids against guidellm's text made loads
+    ~20% apart: a token's cost depends on the text generated); at once, five runs gave ratios
+    of 0.87-1.05. The bound still catches a client that counts wrongly (text events instead of
+    tokens once gave a 37x error)."""
     sys.path.insert(0, str(ROOT))
     from bench.serve_guidellm_check import check, find_guidellm
 
@@ -231,7 +234,7 @@ def test_guidellm_agrees_on_output_throughput(server):
     if guidellm is None:
         pytest.skip("guidellm is not installed (pip install guidellm, or set $GUIDELLM to its executable)")
     with clients_on(CLIENT_CPUS):
-        r = check(server, MODEL, MODEL, guidellm, requests=48, prompt_len=32, out_len=128, concurrency=4,
-                  tolerance=0.10, workers=1)
-    assert r["guidellm"]["requests"] == {"successful": 48, "errored": 0, "incomplete": 0, "total": 48}
+        r = check(server, MODEL, MODEL, guidellm, requests=32, prompt_len=32, out_len=128, concurrency=2,
+                  tolerance=0.20, workers=1)
+    assert r["guidellm"]["requests"] == {"successful": 32, "errored": 0, "incomplete": 0, "total": 32}
     assert r["agree"], json.dumps(r, indent=1)

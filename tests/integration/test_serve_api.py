@@ -13,6 +13,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -26,8 +27,8 @@ import pytest
 import torch
 
 from duoka.data.tokenizer import load_tokenizer
-from duoka.hub import bundled_model_dir
 from duoka.host.ports import free_port
+from duoka.hub import bundled_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "test-key-123"
@@ -253,6 +254,81 @@ def test_unknown_route_and_missing_key(server):
 
 
 # ---------------------------------------------------------------- disconnects and shutdown
+# Probes GET /health on one connection every 20 ms until a line arrives on stdin; prints each
+# probe's seconds. Standard library only: it starts in ~50 ms.
+HEALTH_PROBE = """
+import http.client, select, sys, time
+conn = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=10)
+print("ready", flush=True)
+times = []
+while not select.select([sys.stdin], [], [], 0.02)[0]:
+    t = time.monotonic()
+    try:
+        conn.request("GET", "/health")
+        conn.getresponse().read()
+    except OSError:  # timed out: the time says so
+        conn.close()
+    times.append(time.monotonic() - t)
+print(" ".join(map(str, times)))
+"""
+
+
+def test_a_huge_prompt_is_refused_while_the_server_keeps_serving(server):
+    """A 15 MB prompt (under the 16 MiB body cap) is tokenized off the event loop and judged
+    from a prefix: it is refused with context_length_exceeded while /health answers within
+    100 ms and a stream in flight keeps flowing (once: /health 17 s, every stream stopped).
+    The request goes out through a raw socket (sendall releases the GIL) and the probes come
+    from a process of their own: this process's GIL would otherwise delay them, whatever the
+    server does. Parsing the 15 MB body still holds the server's event loop for ~40 ms."""
+    gaps = []
+    streaming = threading.Event()
+
+    def stream():
+        last = None
+        body = {"model": MODEL, "prompt": "The", "max_tokens": 200, "stream": True, "temperature": 0,
+                "ignore_eos": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, headers=server.auth, timeout=60) as r:
+            for _ in r.iter_lines():
+                now = time.monotonic()
+                if last is not None:
+                    gaps.append(now - last)
+                last = now
+                streaming.set()
+
+    huge = ("The quick brown fox jumps over the lazy dog. " * 340_000)[:15_000_000]
+    body = json.dumps({"model": MODEL, "prompt": huge, "max_tokens": 4}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: {server.auth['Authorization']}"
+               f"\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+               ).encode() + body
+    answer = []
+
+    def send():  # sendall and recv release the GIL
+        with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+            sock.sendall(request)
+            while chunk := sock.recv(65536):
+                answer.append(chunk)
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert streaming.wait(30)
+    # The probe in a process of its own: it waits for no GIL of this one.
+    probe = subprocess.Popen([sys.executable, "-c", HEALTH_PROBE, str(server.port)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    assert probe.stdout.readline().strip() == "ready"
+    sender = threading.Thread(target=send)
+    sender.start()
+    sender.join()
+    out, _ = probe.communicate("stop\n", timeout=30)
+    health = [float(x) for x in out.split()]
+    reader.join()
+    head, _, text = b"".join(answer).partition(b"\r\n\r\n")
+    assert b" 400 " in head.split(b"\r\n")[0], head[:200]
+    error = json.loads(text)["error"]
+    assert error["code"] == "context_length_exceeded" and "15,000,000 characters" in error["message"]
+    assert health and max(health) < 0.1, f"/health took up to {max(health):.3f} s: {health}"
+    assert gaps and max(gaps) < 1.0, f"the stream in flight stalled for {max(gaps):.2f} s"
+
+
 def test_a_client_that_disconnects_frees_its_blocks(server):
     aborted = 'duoka_serve_request_success_total{finished_reason="abort"}'
     before = server.metrics()
@@ -282,10 +358,11 @@ def test_serve_with_an_adapter_answers_with_the_merged_model_s_tokens(in_process
     adapter_config.json names, the adapter merged at load, served under the adapter's name;
     greedy tokens equal to those of the model `duoka export --merge` writes. Under --tp it is
     refused before any process starts."""
-    import duoka.serve.server as server_module
+    import duoka.launch.serving as launch_serving
     from duoka.models.lora import LoRAArgs
     from duoka.models.qwen2.hf_adapter import load_hf_model
     from duoka.models.qwen2.peft import save_adapter
+    from duoka.serve.config import EngineConfig
     from duoka.serve.engine import LLMEngine
     from duoka.serve.params import SamplingParams
     from duoka.train.export import merge_adapter_folder
@@ -319,15 +396,17 @@ def test_serve_with_an_adapter_answers_with_the_merged_model_s_tokens(in_process
             engine.shutdown()
         return 0
 
-    monkeypatch.setattr(server_module, "serve", serve)
+    monkeypatch.setattr(launch_serving, "serve", serve)  # where the CLI's launch calls it
     flags = ["--device", "cpu", "--num-kv-blocks", "24", "--max-model-len", "256"]
     proc = in_process("serve", "--adapter", str(adapter), *flags)
     assert proc.returncode == 0, proc.stderr
     assert f"adapter {adapter} on {base}" in proc.stderr
     assert served["name"] == served["model"] == str(adapter)
-    options = dict(device="cpu", num_kv_blocks=24, max_model_len=256, log=lambda message: None)
-    assert served["tokens"] == tokens(LLMEngine(merged, **options))
-    assert served["tokens"] != tokens(LLMEngine(base, **options))  # the adapter changed the model
+    options = dict(device="cpu", num_kv_blocks=24, max_model_len=256)
+    quiet = dict(log=lambda message: None)
+    assert served["tokens"] == tokens(LLMEngine(EngineConfig(model=merged, **options), **quiet))
+    # the adapter changed the model:
+    assert served["tokens"] != tokens(LLMEngine(EngineConfig(model=base, **options), **quiet))
 
     proc = in_process("serve", "--adapter", str(adapter), "--tp", "2", *flags)
     assert proc.returncode == 2 and "--adapter with --tp 2" in proc.stderr

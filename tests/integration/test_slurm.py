@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from duoka.monitor.dashboard import read_records
-from duoka.launch.cluster import SLURM_RDZV_PORT_BASE, SLURM_RDZV_PORT_SPAN, expand_hostlist
 from duoka.host.ports import free_port
+from duoka.launch.cluster import SLURM_RDZV_PORT_BASE, SLURM_RDZV_PORT_SPAN, expand_hostlist
+from duoka.monitor.dashboard import read_records
 
 NODES = ("127.0.0.1", "127.0.0.2")  # node 0 first: Slurm orders a job's nodes as slurm.conf lists them
 TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "scancel", "squeue", "sinfo")

@@ -76,6 +76,15 @@ def test_prepare_counts_every_skip_exactly(tmp_path, tokenizer_dir):
     assert logged[-1].endswith("2 malformed record(s) skipped")
 
 
+def test_prepare_of_nothing_but_malformed_records_fails(tmp_path, tokenizer_dir, in_process):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.jsonl").write_text('{"content": "the text is elsewhere"}\n' * 5)
+    proc = in_process("prepare", "--data", str(src), "--out", str(tmp_path / "p"), "--tokenizer", str(tokenizer_dir))
+    assert proc.returncode == 2 and "nothing to train on" in proc.stderr and "all 5 records are malformed" in proc.stderr
+    assert "--text-field" in proc.stderr and not (tmp_path / "p" / "manifest.json").exists()
+
+
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory, tokenizer_dir):
     """A prepared folder of two shards, kept pristine; tests damage copies of it."""

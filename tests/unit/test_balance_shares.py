@@ -82,7 +82,7 @@ def test_parsing_errors_name_the_fix():
 
 
 def test_balance_refuses_model_parallel_layouts_and_static_without_weights():
-    """The launcher runs this check before any worker starts (duoka/launcher.py)."""
+    """The launcher runs this check before any worker starts (duoka/train/spec.py resolve_run)."""
     from duoka.config import load_config
     from duoka.train.load_balance import check_config
 

@@ -1,12 +1,13 @@
 """The load-balance component's decisions that set which collective runs next must be the
-same on every rank (design.md, reliability contracts)."""
+same on every rank: every rank issues the same collectives in the same order, whatever its
+local timing."""
 
 import torch
 
 from duoka.config import load_config
 from duoka.parallel.dims import ParallelDims
-from duoka.train.load_balance import LoadBalancing
 from duoka.train.console import Silent
+from duoka.train.load_balance import LoadBalancing
 
 
 def _component(rank: int, *overrides: str) -> LoadBalancing:

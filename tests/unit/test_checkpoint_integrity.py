@@ -4,6 +4,7 @@ one-process gloo group, with a tiny Qwen2 saved once per module and copied per t
 
 import contextlib
 import errno
+import io
 import json
 import os
 import pickle
@@ -47,7 +48,7 @@ def _model_and_optimizer(seed: int):
 
 def _save(run_dir: Path, step: int, model, optimizer, **kwargs):
     return save_checkpoint(run_dir, step, model, optimizer, {"tokens": step, "model_args": asdict(ARGS)}, [],
-                           keep=kwargs.pop("keep", 5), **kwargs)
+                           **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -137,11 +138,26 @@ def test_no_intact_checkpoint_is_an_error(run):
     assert "step-2" in e.value.cause and "step-4" in e.value.cause and "job.output_dir" in e.value.fix
 
 
-def test_checkpoint_without_manifest_loads_unverified_and_fails_as_one_error(saved, run):
+def test_checkpoint_without_manifest_is_refused_unless_trusted(saved, run, tmp_path, in_process):
+    """Without its manifest a checkpoint cannot be told from a damaged or altered one."""
     step4 = run / "checkpoints" / "step-4"
-    (step4 / "manifest.json").unlink()  # as saved before duoka wrote manifests
+    (step4 / "manifest.json").unlink()  # as saved before duoka wrote manifests, or deleted
     path, skipped = choose_resume_checkpoint(run, "auto")
-    assert path == step4 and "no manifest" in skipped[0]
+    assert path == run / "checkpoints" / "step-2" and "manifest.json is missing" in skipped[0]
+    assert "trust_unverified" in skipped[0]
+    with pytest.raises(DuokaError, match="manifest.json is missing") as e:
+        choose_resume_checkpoint(run, str(step4))
+    assert "--checkpoint.trust_unverified=true" in e.value.fix
+    with pytest.raises(DuokaError, match="manifest.json is missing") as e:
+        export_checkpoint(step4, tmp_path / "hf")
+    assert "--trust-unverified" in e.value.fix and not (tmp_path / "hf").exists()
+    proc = in_process("export", str(step4), "--out", str(tmp_path / "hf"))
+    assert proc.returncode == 2 and "manifest.json is missing" in proc.stderr
+
+    path, skipped = choose_resume_checkpoint(run, "auto", trust_unverified=True)
+    assert path == step4 and "not verified" in skipped[0]
+    proc = in_process("export", str(step4), "--out", str(tmp_path / "hf"), "--trust-unverified")
+    assert proc.returncode == 0 and "not verified" in proc.stderr + proc.stdout
     _truncate("__0_0.distcp")(step4)  # unverified, so only DCP's load finds it
     with pytest.raises(DuokaError, match="could not load checkpoint") as e:
         load_checkpoint(step4, *_model_and_optimizer(seed=2))
@@ -183,6 +199,53 @@ def test_crafted_metadata_pickle_is_refused_never_run(run, tmp_path):
         export_checkpoint(step4, tmp_path / "hf")
     with pytest.raises(DuokaError, match="refused to unpickle"):
         load_checkpoint(step4, *_model_and_optimizer(seed=2))  # the trainer's own load, past any check
+    assert not marker.exists()
+
+
+def _craft_bytes_item(folder: Path, item: str, payload: bytes) -> None:
+    """What an attacker does to a checkpoint: the payload appended to a shard, .metadata
+    rewritten to declare `item` a bytes item stored there (DCP's own classes, pickled as DCP
+    does), and the manifest's sums rewritten to match."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    from duoka.train.integrity import load_metadata
+
+    metadata = load_metadata(folder)
+    shard = folder / "__0_0.distcp"
+    offset = shard.stat().st_size
+    shard.write_bytes(shard.read_bytes() + payload)
+    index = MetadataIndex(item)
+    old = next(info for key, info in metadata.storage_data.items() if key.fqn == item)
+    for key in [key for key in metadata.storage_data if key.fqn == item]:
+        del metadata.storage_data[key]
+    metadata.storage_data[index] = type(old)(relative_path=shard.name, offset=offset, length=len(payload))
+    metadata.state_dict_metadata[item] = BytesStorageMetadata()
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for name in (shard.name, ".metadata"):
+        data = (folder / name).read_bytes()
+        manifest["files"][name] = {"bytes": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("item", ["optimizer.param_groups.0.lr", "model.norm.weight"])
+def test_crafted_bytes_item_in_a_shard_is_refused_never_run(run, tmp_path, in_process, item):
+    """DCP's default planner unpickles a shard's bytes items with torch.load(weights_only=False):
+    a shard can carry code that the manifest (rewritten by the attacker) does not catch."""
+    marker = tmp_path / "marker"
+    step4 = run / "checkpoints" / "step-4"
+    payload = io.BytesIO()
+    torch.save(_RunsCode(marker), payload)  # as DCP writes a bytes item
+    _craft_bytes_item(step4, item, payload.getvalue())
+    assert choose_resume_checkpoint(run, "auto") == (step4, [])  # every file matches its (rewritten) manifest
+    with pytest.raises(DuokaError, match="refused to unpickle") as e:
+        load_checkpoint(step4, *_model_and_optimizer(seed=2))  # the resume's load
+    assert item in e.value.cause and "not written by duoka" in e.value.fix
+    if item.startswith("model."):  # export reads the model's items only
+        with pytest.raises(DuokaError, match="refused to unpickle"):
+            export_checkpoint(step4, tmp_path / "hf")
+        proc = in_process("export", str(step4), "--out", str(tmp_path / "hf2"))
+        assert proc.returncode == 2 and "refused to unpickle" in proc.stderr and "Traceback" not in proc.stderr
     assert not marker.exists()
 
 

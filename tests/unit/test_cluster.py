@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from duoka.errors import DuokaError
-from duoka.launch.training import run_directory
 from duoka.launch.cluster import SLURM_WARNING_S, expand_hostlist, resolve_launch
 from duoka.launch.slurm_script import slurm_script
+from duoka.launch.training import run_directory
 
 # What srun sets for the task on the second of three nodes (Slurm 22.05, as printed by `env`
 # in a step), less what detection does not read.

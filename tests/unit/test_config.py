@@ -33,6 +33,7 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
     (["--training.steps=ten"], "training.steps='ten' is not an integer", "whole number"),
     (["--training.micro_batch_size=big"], "is not an integer", "or auto"),
     (["--optimizer.min_lr_ratio=2"], "out of range", "between 0.0 and 1.0"),
+    (["--optimizer.lr=1e38"], "optimizer.lr=1e+38 is out of range", "between 0.0 and 1000000.0"),
     (["--parallel.dp_mode=zero3"], "parallel.dp_mode='zero3' is not allowed", "ddp, fsdp"),
     (["--training.compile=maybe"], "not a boolean", "use true, false or auto"),
     (["--checkpoint.enabled=maybe"], "not a boolean", "use true or false"),

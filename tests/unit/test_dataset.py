@@ -33,8 +33,14 @@ def test_documents_from_text_and_jsonl(tmp_path):
 def test_malformed_jsonl_names_file_and_line(tmp_path):
     p = tmp_path / "bad.jsonl"
     p.write_text('{"text": "ok"}\n{"text": broken\n')
-    with pytest.raises(DuokaError, match=r"bad.jsonl:2 is not valid JSON"):
+    with pytest.raises(DuokaError, match=r"bad.jsonl:2 is not valid JSON") as e:
         list(iter_documents(p, "text"))
+    # Where and what: json's message alone ("Expecting value") says neither.
+    assert "at column 10, near '{\"text\": broken'" in e.value.cause
+    p.write_text('{"text": "' + "x" * 10_000 + '", oops}\n')
+    with pytest.raises(DuokaError, match="at column 10014, near ...'x+\", oops}'") as e:
+        list(iter_documents(p, "text"))
+    assert len(e.value.cause) < 300  # a megabyte line is not printed whole
     p.write_text('{"content": "no text field"}\n')
     with pytest.raises(DuokaError, match=r"bad.jsonl:1 has no string field 'text'") as e:
         list(iter_documents(p, "text"))

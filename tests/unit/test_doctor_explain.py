@@ -5,7 +5,8 @@ import dataclasses
 
 import pytest
 
-from duoka.doctor.diagnose import EVIDENCE_CHARS, Diagnosis, explain
+from duoka.doctor.diagnose import explain
+from duoka.doctor.log_reader import EVIDENCE_CHARS, Diagnosis
 
 
 def kinds(text: str) -> list[str]:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from duoka.errors import DuokaError
+from duoka.serve.config import EngineConfig
 from duoka.serve.engine import LLM, LLMEngine
 from duoka.serve.params import SamplingParams
 
@@ -108,7 +109,7 @@ def test_seeded_sampling_reproduces_whatever_the_batch(model_folder):
 
 def test_limits_are_clear_errors(model_folder):
     _, folder = model_folder(seed=9, max_position_embeddings=32)
-    engine = LLMEngine(folder, device="cpu")
+    engine = LLMEngine(EngineConfig(model=folder, device="cpu"))
     with pytest.raises(DuokaError, match="maximum context of 32"):
         engine.add_request("a", list(range(1, 30)), SamplingParams(max_tokens=5))
     with pytest.raises(DuokaError, match="outside the vocabulary"):
@@ -116,12 +117,12 @@ def test_limits_are_clear_errors(model_folder):
     with pytest.raises(DuokaError, match="empty"):
         engine.add_request("c", [], SamplingParams(max_tokens=5))
     with pytest.raises(DuokaError, match="longer than the model's context"):
-        LLMEngine(folder, device="cpu", max_model_len=64)
+        LLMEngine(EngineConfig(model=folder, device="cpu", max_model_len=64))
 
 
 def test_abort_frees_blocks_at_once(model_folder):
     _, folder = model_folder(seed=10)
-    engine = LLMEngine(folder, device="cpu", block_size=4)
+    engine = LLMEngine(EngineConfig(model=folder, device="cpu", block_size=4))
     engine.add_request("x", prompts(1, seed=7, lo=30, hi=31)[0], SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()
     assert engine.stats().kv_usage > 0
@@ -143,10 +144,10 @@ def test_compiled_blocks_stay_within_the_recompile_limit(model_folder):
     params = [SamplingParams(max_tokens=rng.randint(1, 12), temperature=0, ignore_eos=True) for _ in batch]
     steps_between = [rng.randint(0, 2) for _ in batch]  # requests arrive while others run
     torch._dynamo.reset()
-    options = dict(device="cpu", max_model_len=64, block_size=4, max_num_batched_tokens=13, log=lambda m: None)
+    options = dict(device="cpu", max_model_len=64, block_size=4, max_num_batched_tokens=13)
     results = {}
     for compiled in (False, True):
-        engine = LLMEngine(folder, compile=compiled, **options)
+        engine = LLMEngine(EngineConfig(model=folder, compile=compiled, **options), log=lambda m: None)
         tokens = {}
 
         def step():
@@ -212,12 +213,14 @@ def test_random_workloads_give_each_request_its_solo_result():
     not aborted gets what it gets alone; some of them went through preemption."""
     import random
 
-    options = dict(device="cpu", max_model_len=128, block_size=4, log=lambda m: None)
-    solo = LLMEngine(None, max_num_seqs=1, **options)
+    options = dict(device="cpu", max_model_len=128, block_size=4)
+    quiet = dict(log=lambda m: None)
+    solo = LLMEngine(EngineConfig(max_num_seqs=1, **options), **quiet)
     preemptions = 0
     for trial in range(2):  # one with 7-token prefill chunks, one with 64
         requests = _random_workload(trial)
-        engine = LLMEngine(None, max_num_seqs=8, max_num_batched_tokens=[7, 64][trial % 2], num_kv_blocks=32, **options)
+        engine = LLMEngine(EngineConfig(max_num_seqs=8, max_num_batched_tokens=[7, 64][trial % 2], num_kv_blocks=32,
+                                        **options), **quiet)
         busy = _drive(engine, requests, random.Random(1000 + trial))
         preemptions += engine.stats().num_preemptions
         compared = 0

@@ -7,12 +7,13 @@ import torch
 
 from duoka.hub import bundled_model_dir
 from duoka.models.qwen2.hf_adapter import load_hf_model
+from duoka.serve.config import EngineConfig
 from duoka.serve.engine import LLMEngine
 from duoka.serve.params import SamplingParams
 
 
 def test_logprobs_equal_the_plain_forward():
-    engine = LLMEngine(None, device="cpu", max_model_len=128, num_kv_blocks=16, log=lambda m: None)
+    engine = LLMEngine(EngineConfig(device="cpu", max_model_len=128, num_kv_blocks=16), log=lambda m: None)
     prompt = engine.tokenizer.encode("Return the value of")
     engine.add_request("a", prompt, SamplingParams(max_tokens=6, temperature=0, logprobs=3, ignore_eos=True))
     outs = []
@@ -41,7 +42,8 @@ def test_generation_config_sets_the_defaults(tmp_path):
         (folder / f.name).write_bytes(f.read_bytes())
     (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_p": 0.8, "top_k": 20,
                                                                "eos_token_id": [0, 3]}))
-    engine = LLMEngine(folder, device="cpu", max_model_len=64, num_kv_blocks=8, log=lambda m: None)
+    engine = LLMEngine(EngineConfig(model=folder, device="cpu", max_model_len=64, num_kv_blocks=8),
+                       log=lambda m: None)
     params = engine.make_params(max_tokens=5)
     assert (params.temperature, params.top_p, params.top_k) == (0.7, 0.8, 20)
     assert engine.make_params(temperature=0.0).temperature == 0.0  # the request's own field wins

@@ -15,7 +15,10 @@ import torch
 from rich.console import Console
 
 from duoka.cli import build_parser
-from duoka.plan.planner import Hardware, make_plan, render, resolve_model
+from duoka.plan.hardware import Hardware
+from duoka.plan.model_choice import resolve_model
+from duoka.plan.ranking import make_plan
+from duoka.plan.render import render
 from duoka.train import step_end
 
 ROOT = Path(__file__).resolve().parents[2]

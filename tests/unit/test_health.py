@@ -94,7 +94,9 @@ def test_stops_after_k_in_a_row_naming_the_last_healthy_checkpoint(tmp_path):
     step(health, optimizer, 6, INF, INF)
     with pytest.raises(DuokaError) as e:
         health.raise_if_failing()
-    good = tmp_path / "checkpoints" / "step-3"
+    # step-3 is healthy but its next step was the first of the failing stretch: resumed, it
+    # would diverge again at once. step-2 was followed by a normal step (3).
+    good = tmp_path / "checkpoints" / "step-2"
     assert "3 steps in a row (steps 4 to 6" in e.value.cause
     assert f"last good checkpoint {good}" in e.value.fix and f"--checkpoint.resume={good}" in e.value.fix
 
@@ -102,6 +104,25 @@ def test_stops_after_k_in_a_row_naming_the_last_healthy_checkpoint(tmp_path):
     step(empty, optimizer, 1, NAN, NAN)
     with pytest.raises(DuokaError, match="no healthy checkpoint was written"):
         empty.raise_if_failing()
+
+
+def test_the_named_checkpoint_predates_the_spikes_that_led_to_the_blow_up(tmp_path):
+    """A blow-up often starts as loss spikes before the first NaN: a checkpoint written during
+    them (healthy: its losses were finite) holds weights already on their way out."""
+    for n in (10, 12, 13):
+        folder = tmp_path / "checkpoints" / f"step-{n}"
+        folder.mkdir(parents=True)
+        (folder / ".metadata").write_bytes(b"")
+        (folder / "train_state.json").write_text(json.dumps({"step": n, "healthy": True}))
+    optimizer = torch.optim.AdamW(Tiny().parameters(), lr=0.1, foreach=True)
+    health = make(tmp_path, max_nonfinite_steps=2, spike_window=5, spike_zscore=3.0)
+    losses = [2.0 + 0.01 * (n % 3) for n in range(1, 13)] + [40.0, 900.0, NAN, NAN]  # spikes at 13, 14
+    for n, loss in enumerate(losses, start=1):
+        record = step(health, optimizer, n, loss, 1.0 if math.isfinite(loss) else NAN)
+    assert record["health"]["nonfinite_in_row"] == 2 and health.trouble_start == 13
+    with pytest.raises(DuokaError) as e:
+        health.raise_if_failing()
+    assert f"--checkpoint.resume={tmp_path / 'checkpoints' / 'step-10'}" in e.value.fix  # not 12 nor 13
 
 
 def test_loss_spikes_alert_and_skip_and_a_resumed_run_decides_alike(tmp_path):

@@ -12,9 +12,9 @@ import pytest
 import yaml
 
 from duoka.config import load_config
+from duoka.host.ports import parse_endpoint
 from duoka.launch.cluster import resolve_launch
 from duoka.parallel.dims import ParallelDims
-from duoka.host.ports import parse_endpoint
 
 MANIFEST = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes" / "duoka-train.yaml"
 VERSIONS = ("1.31", kubernetes_validate.latest_version())

@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "duoka"
 # Lowest first. A module may import its own package and anything on a lower floor.
 FLOORS = [
     ("duoka", "duoka.errors"),
-    ("duoka.config", "duoka.timing", "duoka.runtime", "duoka.hub", "duoka.cache"),
+    ("duoka.config", "duoka.timing", "duoka.runtime", "duoka.hub", "duoka.cache", "duoka.state_files"),
     ("duoka.host",),
     ("duoka.models",),
     ("duoka.data",),

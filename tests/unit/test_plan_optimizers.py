@@ -9,7 +9,9 @@ import pytest
 from duoka.config import load_config
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import FLAVORS
+from duoka.plan.hardware import Hardware
 from duoka.plan.memory import GIB, Layout, estimate_memory, largest_fitting_micro_batch
+from duoka.plan.model_choice import resolve_model
 from duoka.plan.optimizer_costs import (
     HOST_ADAMW_BYTES_PER_S,
     PCIE_BYTES_PER_S,
@@ -18,7 +20,8 @@ from duoka.plan.optimizer_costs import (
     footprint,
     optimizer_from_config,
 )
-from duoka.plan.planner import Hardware, estimate_step_time, make_plan, resolve_model
+from duoka.plan.ranking import make_plan
+from duoka.plan.step_time import estimate_step_time
 
 MATRIX = ParamTensor("matrix", 1024, 512, 1, 1024, 512)  # 524,288 elements: 2,048 blocks of 256
 BIAS = ParamTensor("vector", 512, 1, 1, 512, 1)  # under torchao's 4,096-element floor

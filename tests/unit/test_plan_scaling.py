@@ -12,10 +12,13 @@ from rich.console import Console
 
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import FLAVORS, ModelArgs
+from duoka.plan.hardware import Hardware
 from duoka.plan.memory import Layout
+from duoka.plan.model_choice import resolve_model
 from duoka.plan.network import NETWORKS, Fabric, group_shape, make_fabric
-from duoka.plan.planner import Hardware, estimate_step_time, evaluate, make_plan, rank, resolve_model
+from duoka.plan.ranking import evaluate, make_plan, rank
 from duoka.plan.scaling import plan_scaling, render_scaling, scaling_counts, scaling_hardware
+from duoka.plan.step_time import estimate_step_time
 
 US = 1e-6
 # NVLink 350 GB/s; a 400 Gb/s NIC per GPU at 90%: 45 GB/s; NCCL's ring steps 3.4 us (NVLink)

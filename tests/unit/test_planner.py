@@ -14,8 +14,10 @@ import pytest
 
 from duoka.config import load_config
 from duoka.errors import DuokaError
-from duoka.models.qwen2.args import FLAVORS, ModelArgs
 from duoka.host.devices import GpuReading
+from duoka.models.qwen2.args import FLAVORS, ModelArgs
+from duoka.plan.hardware import Hardware
+from duoka.plan.layouts import enumerate_layouts
 from duoka.plan.memory import (
     GIB,
     Layout,
@@ -27,15 +29,9 @@ from duoka.plan.memory import (
     stage_layer_counts,
     training_bytes,
 )
-from duoka.plan.planner import (
-    Hardware,
-    enumerate_layouts,
-    estimate_step_time,
-    evaluate,
-    make_plan,
-    rank,
-    resolve_model,
-)
+from duoka.plan.model_choice import resolve_model
+from duoka.plan.ranking import evaluate, make_plan, rank
+from duoka.plan.step_time import estimate_step_time
 
 ROOT = Path(__file__).resolve().parents[2]
 MEASURED = json.loads((ROOT / "bench/results/plan_memory.json").read_text())["points"]
@@ -279,7 +275,7 @@ def test_model_from_a_hugging_face_folder(tmp_path):
 
 
 def test_hardware_detection():
-    from duoka.plan.planner import detect_hardware
+    from duoka.plan.hardware import detect_hardware
 
     local = [GpuReading(i, f"GPU-{i}", "NVIDIA H200", 500, 143771, 0) for i in range(8)]
     h = detect_hardware(local_gpus=local, nodes=2)

@@ -19,8 +19,8 @@ from duoka.errors import DuokaError
 from duoka.hub import bundled_model_dir
 from duoka.serve.api import _Server, build_app
 from duoka.serve.async_engine import AsyncEngine, Draining, EngineError, QueueFull
-from duoka.serve.server_metrics import ServeMetrics
 from duoka.serve.params import RequestOutput, SamplingParams, TokenLogprob
+from duoka.serve.server_metrics import ServeMetrics
 
 MODEL = "fake-qwen2"
 MAX_MODEL_LEN = 256
@@ -423,9 +423,29 @@ def test_api_key(served):
     assert s.client.get("/health").status_code == 200 and s.client.get("/metrics").status_code == 200
     ok = s.client.post("/v1/chat/completions", json=chat_body(), headers={"Authorization": "Bearer sekrit"})
     assert ok.status_code == 200
+    for scheme in ("bearer", "BEARER"):  # the scheme's case does not matter (RFC 9110); the key's does
+        assert s.client.post("/v1/chat/completions", json=chat_body(),
+                             headers={"Authorization": f"{scheme} sekrit"}).status_code == 200
+    assert s.client.post("/v1/chat/completions", json=chat_body(),
+                         headers={"Authorization": "Bearer SEKRIT"}).status_code == 401
     client = openai.OpenAI(base_url="http://testserver/v1", api_key="wrong", http_client=s.client)
     with pytest.raises(openai.AuthenticationError):
         client.models.list()
+
+
+def test_a_server_open_beyond_this_machine_without_a_key_is_warned_about():
+    """--host 0.0.0.0 without --api-key: anyone who reaches the port can use the model."""
+    from duoka.host.ports import free_port
+    from duoka.serve.server import serve
+
+    def stop():  # the engine is built after the checks and the warning
+        raise DuokaError("stop here")
+
+    for host, key, warned in [("0.0.0.0", None, True), ("0.0.0.0", "k", False), ("127.0.0.1", None, False)]:
+        logs = []
+        with pytest.raises(DuokaError, match="stop here"):
+            serve(stop, host=host, port=free_port(), api_key=key, log=logs.append)
+        assert any("no --api-key" in line and "--api-key KEY" in line for line in logs) == warned, (host, key, logs)
 
 
 # ---------------------------------------------------------------- queue, drain, failures

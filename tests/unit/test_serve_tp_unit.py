@@ -12,6 +12,8 @@ from duoka.errors import DuokaError
 from duoka.models.qwen2.args import FLAVORS, ModelOptions
 from duoka.models.qwen2.hf_adapter import load_hf_model, save_hf_checkpoint
 from duoka.models.qwen2.model import build_model, materialize
+from duoka.serve.runner import ARRAY_DTYPES, SCALARS, StepInputs
+from duoka.serve.step_channel import HEADER_LEN
 from duoka.serve.tp_shard import (
     build_shard,
     check_tp_size,
@@ -21,8 +23,6 @@ from duoka.serve.tp_shard import (
     shard_args,
     valid_tp_sizes,
 )
-from duoka.serve.runner import ARRAY_DTYPES, SCALARS, StepInputs
-from duoka.serve.step_channel import HEADER_LEN
 
 
 def test_qwen2_1_5b_splits_over_4_with_replicated_kv_heads_but_not_over_5():

@@ -82,7 +82,7 @@ class ModelArgs:
     def matmul_params(self) -> int:
         """Weights that take part in a matmul per token: every linear layer and the output
         head (counted even when tied, since the head matmul is done), not the embedding
-        lookup, norms or biases. This is N in the PaLM MFU convention (design.md)."""
+        lookup, norms or biases. This is N in the PaLM MFU convention (Chowdhery et al. 2022, appendix B)."""
         hd = self.resolved_head_dim
         attn = self.dim * hd * (self.n_heads + 2 * self.n_kv_heads) + self.n_heads * hd * self.dim
         mlp = 3 * self.dim * self.intermediate_size
@@ -92,7 +92,7 @@ class ModelArgs:
         """Training FLOPs per token, PaLM appendix B: 6N + 12·L·H·S (attention not halved
         for causality; the same convention as torchtitan and the peer baseline).
 
-        With LoRA, the LoRA peer's convention (../shared/peer/hf_qwen2_lora_baseline.py): a
+        With LoRA, the LoRA peer's convention (bench/peers/lora_peer.py in the repository): a
         frozen weight costs its forward and its input's gradient, 4 per weight; a trained
         one also its own gradient, 6 (the adapters, and the head when trained whole, tied
         or not); attention keeps its 12·L·H·S, as the adapters below it need its input

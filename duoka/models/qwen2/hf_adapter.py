@@ -15,6 +15,7 @@ complete, so an interrupted save never leaves a folder that looks whole.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -24,6 +25,7 @@ from typing import Iterable
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 
 from duoka.errors import DuokaError
 from duoka.hub import resolve_model_dir
@@ -128,6 +130,8 @@ def weight_files(folder: Path) -> dict[str, Path]:
 
 
 def open_safetensors(path: Path):
+    """The file opened by safetensors, which also refuses a file whose size is not the one its
+    header describes (cut short, or bytes appended: "file not fully covered")."""
     try:
         return safe_open(str(path), framework="pt", device="cpu")
     except (SafetensorError, OSError) as e:
@@ -208,13 +212,42 @@ def open_checkpoint(folder: Path, model: Qwen2, allow_unused: bool = False) -> t
     return files, handles
 
 
-def load_hf_weights(model: Qwen2, folder: Path, allow_unused: bool = False) -> None:
-    """Fill an allocated model from the folder's safetensors (checked by open_checkpoint)."""
+def load_hf_weights(model: Qwen2, folder: Path, allow_unused: bool = False, check_weights: bool = True) -> None:
+    """Fill an allocated model from the folder's safetensors (checked by open_checkpoint),
+    then refuse it if a tensor holds NaN or infinity (check_weights; refuse_nonfinite)."""
     files, handles = open_checkpoint(folder, model, allow_unused)
     params = model.state_dict()
-    for name, sources in _model_tensors(model).items():
+    loaded = _model_tensors(model)
+    for name, sources in loaded.items():
         parts = [handles[files[hf]].get_tensor(hf) for hf, _ in sources]
         write_full_(params[name], parts[0] if len(parts) == 1 else torch.cat(parts))
+    if check_weights:
+        refuse_nonfinite(folder, {name: params[name] for name in loaded})
+
+
+# What a model folder's weights with NaN or infinity mean, and how to load them all the same.
+FIX_NONFINITE = ("the weights are damaged (a failed download, save or conversion): download or export them again; "
+                 "to load them anyway, turn the check off (duoka serve / generate / export: --skip-weight-check; "
+                 "duoka train: --model.check_weights=false)")
+
+
+def nonfinite_names(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The names of the tensors that hold a NaN or infinity: one pass over each where it lies
+    (on the GPU for a served model), a max-norm per tensor (a reduction: no tensor-sized
+    temporary), and one wait for all of them. A sharded parameter is checked in its local part."""
+    local = {name: t.to_local() if isinstance(t, DTensor) else t for name, t in tensors.items()}
+    local = {name: t for name, t in local.items() if t.numel()}  # an FSDP2 shard may be empty
+    if not local:
+        return []
+    norms = torch.stack([torch.linalg.vector_norm(t.detach(), ord=math.inf).float() for t in local.values()])
+    return [name for name, ok in zip(local, torch.isfinite(norms).tolist()) if not ok]
+
+
+def refuse_nonfinite(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    bad = nonfinite_names(tensors)
+    if bad:
+        raise DuokaError(f"{folder}: {len(bad)} weight tensor(s) hold NaN or infinite values: {_short(bad)}",
+                         FIX_NONFINITE)
 
 
 def _short(names: list[str], limit: int = 12) -> str:
@@ -229,6 +262,7 @@ def load_hf_model(
     options: ModelOptions = ModelOptions(),
     lora: LoRAArgs | None = None,
     seed: int = 0,
+    check_weights: bool = True,
 ) -> tuple[Qwen2, Path]:
     """Build the model (with `options`) on meta, allocate it once on `device` in `dtype`
     (default: the checkpoint's dtype on GPU, fp32 on CPU), then stream the weights in.
@@ -241,7 +275,7 @@ def load_hf_model(
         if torch.device(device).type == "cpu":
             dtype = torch.float32  # CPU bf16 matmuls are slow and rarely what a user wants
     model = materialize(build_model(args, options, lora=lora), device, dtype)
-    load_hf_weights(model, folder)
+    load_hf_weights(model, folder, check_weights=check_weights)
     if lora is not None:
         model.init_weights(seed, adapters_only=True)
         if lora.quantized:
@@ -327,7 +361,7 @@ def save_hf_state_dict(
             fname = SINGLE_FILE if len(shards) == 1 else f"model-{i:05d}-of-{len(shards):05d}.safetensors"
             # One shard at a time on the host: a GPU model never needs a full CPU copy.
             shard = {n: _to_host(tensors[n], dtype) for n in names}
-            save_file(shard, str(stage / fname), metadata={"format": "pt"})
+            _save_shard(shard, stage / fname)
             total += sum(t.numel() * t.element_size() for t in shard.values())
             weight_map.update({n: fname for n in names})
             del shard
@@ -347,6 +381,20 @@ def save_hf_state_dict(
         shutil.rmtree(stage, ignore_errors=True)
         raise
     return out
+
+
+def _save_shard(shard: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' save_file, a failed write raised as the OSError it is: safetensors wraps
+    it in its own error type ("... (os error 28)"), which would hide a full disk from every
+    handler of OSError."""
+    try:
+        save_file(shard, str(path), metadata={"format": "pt"})
+    except SafetensorError as e:
+        found = re.search(r"os error (\d+)", str(e))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from e
 
 
 def _to_host(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from duoka.models.compile import compiled
+from duoka.models.compiled_functions import compiled
 from duoka.models.lora import (
     LoRAArgs,
     LoRALinear,

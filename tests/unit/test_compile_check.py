@@ -12,7 +12,7 @@ import torch.distributed as dist
 from duoka.cache import INDUCTOR_CACHE_ENV, compile_cache_env
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import FLAVORS, ModelOptions
-from duoka.train.compiling import (
+from duoka.train.compile_check import (
     CAUSE_CHARS,
     agree_to_compile,
     check_args,

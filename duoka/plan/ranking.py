@@ -1,0 +1,353 @@
+"""`duoka plan`: which parallel layout, micro-batch and activation checkpointing to train a
+model with on a given set of GPUs, and why: the candidates made, ranked and explained
+(`make_plan`), and what to do when nothing fits.
+
+Every layout duoka runs is enumerated (ddp, fsdp, hsdp, tp within a node, pp, and their
+combinations: duoka.plan.layouts), with every power-of-two micro-batch that divides the
+per-rank batch, with and without activation checkpointing. Each gets a per-GPU memory
+estimate (duoka.plan.memory) and a step time (duoka.plan.step_time); those that do not fit
+are dropped, the rest ranked by step time, and among near-ties (within TIE) the simplest
+layout wins: ddp > fsdp > hsdp > tp > pp, since each step to the right adds
+communication on the critical path and ways to fail.
+
+Optimizers: the plan is for optimizer.name / optimizer.offload as asked (AdamW by default).
+When nothing fits with AdamW and no optimizer was asked for, it tries the others in
+PROPOSAL_ORDER and plans with the first that fits, listing every one that does.
+When nothing fits at all, the error names the fewest GPUs of this size that would do.
+
+duoka.plan.scaling tabulates the plan from one node to the whole job; duoka.plan.published
+sets it beside torchtitan's and Megatron-LM's published runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from duoka.errors import DuokaError
+from duoka.models.qwen2.args import ModelArgs
+from duoka.plan.hardware import HOST_USABLE_FRACTION, Hardware, hardware_notes
+from duoka.plan.layouts import FAMILY_ORDER, enumerate_layouts, simplicity
+from duoka.plan.memory import GIB, Layout, estimate_memory, state_bytes
+from duoka.plan.model_choice import ModelChoice
+from duoka.plan.optimizer_costs import ADAMW, OptimizerChoice
+from duoka.plan.result import Candidate, Plan, gib_text, optimizer_keys
+from duoka.plan.step_time import estimate_step_time
+
+# Optimizers tried, in this order, when AdamW does not fit and none was asked for: the same
+# update as AdamW with quantized state first (8-bit state tracks fp32 AdamW closely: Dettmers
+# et al. 2022, arXiv:2110.02861; 4-bit loses a little more: Li et al. 2023, arXiv:2309.01507),
+# then exact AdamW with its state and step on the host (slow: the host's step), then the
+# optimizers that change the update (compare their loss curve before switching).
+PROPOSAL_ORDER = (OptimizerChoice("adamw8bit"), OptimizerChoice("adamw4bit"), OptimizerChoice("adamw", "cpu"),
+                  OptimizerChoice("adafactor"), OptimizerChoice("muon"), OptimizerChoice("sgd"))
+TIE = 0.03  # step times within 3% of the fastest count as a tie: the simplest layout wins
+MAX_GPUS_SEARCHED = 4096  # the largest job the "use at least N GPUs" search tries
+DEFAULT_SEQ = 2048
+
+
+def _micro_batches(per_rank: int) -> list[int]:
+    return [1 << k for k in range(per_rank.bit_length()) if per_rank % (1 << k) == 0]
+
+
+def evaluate(args: ModelArgs, hw: Hardware, seq_len: int, global_batch: int,
+             layouts: list[Layout] | None = None, optimizer: OptimizerChoice = ADAMW,
+             micro_batch: int | None = None, activation_checkpointing: bool | None = None) -> list[Candidate]:
+    """Every (layout, micro-batch, checkpointing) combination the batch arithmetic allows,
+    with its memory and step time; micro_batch / activation_checkpointing keep one value."""
+    out = []
+    acs = (False, True) if activation_checkpointing is None else (activation_checkpointing,)
+    for layout in layouts if layouts is not None else enumerate_layouts(args, hw.gpus, hw.gpus_per_node):
+        if global_batch % layout.dp_size:
+            continue
+        per_rank = global_batch // layout.dp_size
+        if micro_batch is None:
+            mbs = _micro_batches(per_rank)
+        else:
+            mbs = [micro_batch] if per_rank % micro_batch == 0 else []
+        for mb in mbs:
+            m = per_rank // mb
+            if layout.pp > 1 and (m < layout.pp or (layout.stages_per_rank > 1 and m % layout.pp)):
+                continue  # the schedules want at least pp micro-batches (interleaved: a multiple)
+            for ac in acs:
+                mem = estimate_memory(args, layout, mb, seq_len, ac, m, optimizer=optimizer)
+                time = estimate_step_time(args, layout, mb, seq_len, global_batch, ac, hw, optimizer)
+                fits = mem.reserved <= hw.usable_bytes and mem.host <= hw.usable_host_bytes
+                out.append(Candidate(layout, mb, ac, m, mem, time, fits, optimizer))
+    return out
+
+
+def _best_per_layout(candidates: list[Candidate], key) -> list[Candidate]:
+    best: dict[Layout, Candidate] = {}
+    for c in candidates:
+        if c.layout not in best or key(c) < key(best[c.layout]):
+            best[c.layout] = c
+    return list(best.values())
+
+
+def rank(candidates: list[Candidate]) -> list[Candidate]:
+    """Fitting layouts, best variant each, ordered: the simplest within TIE of the fastest
+    first, then the others by step time."""
+    fitting = _best_per_layout([c for c in candidates if c.fits],
+                               key=lambda c: (c.time.total_s, c.activation_checkpointing, -c.micro_batch))
+    if not fitting:
+        return []
+    fastest = min(c.time.total_s for c in fitting)
+    ties = [c for c in fitting if c.time.total_s <= fastest * (1 + TIE)]
+    first = min(ties, key=lambda c: (simplicity(c.layout), c.time.total_s))
+    rest = sorted((c for c in fitting if c is not first), key=lambda c: (c.time.total_s, simplicity(c.layout)))
+    return [first] + rest
+
+
+def _slower(ratio: float) -> str:
+    return f"{ratio:.1f}x slower" if ratio >= 2 else f"{ratio - 1:.0%} slower"
+
+
+def explain(ranked: list[Candidate], rejected: list[Candidate], hw: Hardware) -> str:
+    """One line: why the first layout is first."""
+    first = ranked[0]
+    fastest = min(ranked, key=lambda c: c.time.total_s)
+    usable = hw.usable_bytes
+    tail = (f"est. {gib_text(first.memory.allocated)} GiB allocated per GPU ({gib_text(first.memory.reserved)} "
+            f"reserved of {gib_text(usable)} usable).")
+    if hw.gpus == 1:
+        fast = max((c for c in ranked), key=lambda c: c.time.tokens_per_s_per_gpu)
+        ac = " with activation checkpointing (nothing fits without it)" if first.activation_checkpointing else ""
+        return (f"one GPU, no parallelism needed: micro-batch {first.micro_batch}{ac} is the fastest that fits; "
+                + tail) if fast is first else f"{first.describe()}; " + tail
+    reasons = []
+    for fam in FAMILY_ORDER[:FAMILY_ORDER.index(first.family)]:
+        if fam == "single" and hw.gpus > 1:
+            continue
+        fits = [c for c in ranked if c.family == fam]
+        misses = [c for c in rejected if c.family == fam]
+        if fits:
+            c = min(fits, key=lambda c: c.time.total_s)
+            reasons.append(f"{c.layout.describe()} is {_slower(c.time.total_s / first.time.total_s)}")
+        elif misses:
+            c = min(misses, key=lambda c: c.memory.reserved)
+            reasons.append(f"{c.layout.describe()} does not fit ({gib_text(c.memory.reserved)} GiB at micro-batch "
+                           f"{c.micro_batch}{' with checkpointing' if c.activation_checkpointing else ''} > "
+                           f"{gib_text(usable)} usable)")
+    if first is fastest:
+        lead = f"fastest of the {len(ranked)} layouts that fit"
+        if len(ranked) > 1 and not any(r.startswith(ranked[1].layout.describe() + " ") for r in reasons):
+            lead += f" (next: {ranked[1].layout.describe()}, {_slower(ranked[1].time.total_s / first.time.total_s)})"
+    else:
+        lead = (f"within {first.time.total_s / fastest.time.total_s - 1:.0%} of the fastest "
+                f"({fastest.describe()}) and simpler")
+    detail = []
+    if first.activation_checkpointing:
+        plain = [c for c in rejected + ranked if c.layout == first.layout and not c.activation_checkpointing]
+        detail.append("checkpointing because nothing without it fits" if not any(
+            c.fits for c in plain) else "checkpointing for a larger micro-batch")
+    text = f"{first.describe()}: {lead}"
+    if reasons:
+        text += "; " + "; ".join(reasons)
+    if detail:
+        text += "; " + "; ".join(detail)
+    return text + "; " + tail
+
+
+def _sequence_and_batch(args: ModelArgs, hw: Hardware, seq_len: int | None, global_batch: int | None,
+                        micro_batch: int | None) -> tuple[int, int, list[str]]:
+    """(seq_len, global batch, notes on the defaults taken): the flags checked, the defaults
+    filled in (2048 or the model's context; 8 sequences per GPU)."""
+    notes = []
+    if seq_len is None:
+        seq_len = min(DEFAULT_SEQ, args.max_seq_len)
+        if seq_len != DEFAULT_SEQ:
+            notes.append(f"seq {seq_len}, the model's context (set --seq)")
+    if seq_len < 1:
+        raise DuokaError(f"--seq {seq_len} must be >= 1")
+    if seq_len > args.max_seq_len:  # the trainer refuses it too
+        raise DuokaError(f"--seq {seq_len} exceeds the model's {args.max_seq_len} positions",
+                         f"use --seq {args.max_seq_len} or less")
+    if global_batch is None:
+        global_batch = 8 * hw.gpus
+        notes.append(f"global batch {global_batch} (8 sequences per GPU; set --global-batch)")
+    if global_batch < 1:
+        raise DuokaError(f"--global-batch {global_batch} must be >= 1")
+    if micro_batch is not None and micro_batch < 1:
+        raise DuokaError(f"--micro-batch {micro_batch} must be >= 1")
+    return seq_len, global_batch, notes
+
+
+def _check_offload(optimizer: OptimizerChoice, hw: Hardware) -> None:
+    if optimizer.offloaded and hw.gpus > 1:
+        raise DuokaError(f"offload=cpu runs on one GPU: torchao's CPUOffloadOptimizer copies each gradient to the "
+                         f"host as backward produces it, before any data-parallel reduction (its docstring: "
+                         f"\"for single-GPU training\"), and this plan is for {hw.gpus} GPUs",
+                         "on several GPUs shard the state instead (FSDP, which the plan considers; drop --offload) "
+                         "or use an optimizer with less state (--optimizer adamw8bit)")
+
+
+def _batch_does_not_split(layouts: list[Layout], hw: Hardware, global_batch: int,
+                          micro_batch: int | None) -> DuokaError:
+    """Why no candidate was made: the global batch (or the pinned micro-batch) divides none
+    of the layouts' data-parallel shares."""
+    sizes = sorted({lay.dp_size for lay in layouts})
+    if micro_batch is not None and any(global_batch % d == 0 for d in sizes):
+        shares = sorted({global_batch // d for d in sizes if global_batch % d == 0})
+        return DuokaError(f"--micro-batch {micro_batch} divides none of the per-GPU batches "
+                          f"({', '.join(map(str, shares))}) that --global-batch {global_batch} gives on {hw.gpus} "
+                          "GPUs", "use a divisor of one of them, or a --global-batch that it divides")
+    return DuokaError(f"--global-batch {global_batch} splits over none of the data-parallel sizes the layouts of "
+                      f"{hw.gpus} GPUs have ({', '.join(map(str, sizes))})",
+                      f"use a multiple of {hw.gpus}, e.g. --global-batch {hw.gpus * max(1, global_batch // hw.gpus)}")
+
+
+def make_plan(model: ModelChoice, hw: Hardware, seq_len: int | None = None, global_batch: int | None = None,
+              optimizer: OptimizerChoice | None = None, micro_batch: int | None = None,
+              activation_checkpointing: bool | None = None) -> Plan:
+    """The ranked plan; a DuokaError naming the smallest GPU count that works when nothing
+    fits (or the batch arithmetic when no layout divides the batch). seq_len defaults to
+    2048, or the model's context when shorter. optimizer: the one to plan with; None: AdamW,
+    or when AdamW fits nowhere the first of PROPOSAL_ORDER that fits (the plan says why).
+    micro_batch / activation_checkpointing: plan only with that value."""
+    args = model.args
+    asked_batch = global_batch is not None
+    seq_len, global_batch, notes = _sequence_and_batch(args, hw, seq_len, global_batch, micro_batch)
+    chosen = optimizer or ADAMW
+    _check_offload(chosen, hw)
+    notes += hardware_notes(hw)
+    layouts = enumerate_layouts(args, hw.gpus, hw.gpus_per_node)
+    pinned = {"micro_batch": micro_batch, "activation_checkpointing": activation_checkpointing}
+    candidates = evaluate(args, hw, seq_len, global_batch, layouts, chosen, **pinned)
+    if not candidates:
+        raise _batch_does_not_split(layouts, hw, global_batch, micro_batch)
+    ranked = rank(candidates)
+    proposal, alternatives = "", []
+    if not ranked:
+        fitting = _fitting_optimizers(args, hw, seq_len, global_batch, layouts, chosen, pinned)
+        alternatives = [rank(c)[0] for c in fitting.values()]
+        if optimizer is not None or not alternatives:
+            raise _does_not_fit(model, hw, seq_len, candidates, max(1, global_batch // hw.gpus) if asked_batch else 1,
+                                chosen, alternatives)
+        adamw_candidates = candidates
+        chosen = alternatives[0].optimizer
+        candidates = fitting[chosen]
+        ranked = rank(candidates)
+        proposal = _proposal(hw, adamw_candidates, alternatives, tried=[o for o in PROPOSAL_ORDER
+                                                                        if hw.gpus == 1 or not o.offloaded])
+    rejected = _best_per_layout([c for c in candidates if not c.fits], key=lambda c: c.memory.reserved)
+    rejected = [c for c in rejected if c.layout not in {r.layout for r in ranked}]
+    notes += _plan_notes(args, hw, ranked[0], chosen)
+    return Plan(model, hw, seq_len, global_batch, ranked, sorted(rejected, key=lambda c: simplicity(c.layout)),
+                explain(ranked, rejected, hw), len(candidates), notes, chosen, proposal, alternatives)
+
+
+def _plan_notes(args: ModelArgs, hw: Hardware, best: Candidate, optimizer: OptimizerChoice) -> list[str]:
+    """What the plan's first choice holds that a reader may not expect, and the speed
+    switches the ranking does not model."""
+    notes = []
+    if best.layout.fsdp and best.layout.pp == 1 and best.accumulation > 1 and best.layout.dp_shard > 1:
+        notes.append(f"gradient accumulation under fsdp: the trainer skips the reduce-scatter between "
+                     f"micro-batches, so each GPU holds unsharded fp32 gradients ({gib_text(best.memory.gradients)} "
+                     "GiB of its peak); --parallel.reduce_every_microbatch=true shards them (more reduce-scatter "
+                     "traffic; this estimate does not include that saving), and a step without accumulation "
+                     "(micro-batch = per-rank batch) does not hold them")
+    if optimizer.offloaded:
+        limit = ("unchecked: give --host-memory GiB per GPU" if hw.host_memory_gib is None else
+                 f"within {gib_text(hw.usable_host_bytes)} of {hw.host_memory_gib:g} GiB usable "
+                 f"({HOST_USABLE_FRACTION:.0%})")
+        notes.append(f"host memory for the offloaded AdamW: {gib_text(best.memory.host)} GiB per GPU, half of it "
+                     f"pinned (fp32 weights and gradients; {limit}); its step runs on the host, which the step time "
+                     "counts")
+    # Switches the ranking does not model: measured on 2 x H200 (docs/performance.md).
+    speed = ("training.compile (on by default on GPUs; false turns it off): 1.65x eager for 0.5B under DDP, faster "
+             "in every DDP and FSDP2 case measured (not yet measured under tp or pp), and no more memory than "
+             "estimated")
+    if args.num_params() >= 1e9:
+        speed += ("; training.float8=tensorwise on GPUs of compute capability 8.9+: +14% (1.5B) to +30% (7B) "
+                  "measured, not bit-equal to bf16 (compare the loss curve)")
+    notes.append("speed switches this plan does not model: " + speed)
+    return notes
+
+
+def _fitting_optimizers(args: ModelArgs, hw: Hardware, seq_len: int, global_batch: int, layouts: list[Layout],
+                        tried: OptimizerChoice, pinned: dict) -> dict[OptimizerChoice, list[Candidate]]:
+    """The candidates of every optimizer of PROPOSAL_ORDER (but `tried`) with which some
+    layout fits, in that order; offload only on one GPU."""
+    out = {}
+    for opt in PROPOSAL_ORDER:
+        if opt == tried or (opt.offloaded and hw.gpus > 1):
+            continue
+        candidates = evaluate(args, hw, seq_len, global_batch, layouts, opt, **pinned)
+        if any(c.fits for c in candidates):
+            out[opt] = candidates
+    return out
+
+
+def _proposal(hw: Hardware, adamw: list[Candidate], alternatives: list[Candidate],
+              tried: list[OptimizerChoice]) -> str:
+    """Why the plan trains with another optimizer than AdamW, and how to select it."""
+    smallest = min(adamw, key=lambda c: c.memory.reserved)
+    first = alternatives[0]
+    return (f"AdamW does not fit (at least {gib_text(smallest.memory.reserved)} GiB reserved per GPU, "
+            f"{smallest.describe()}; {gib_text(hw.usable_bytes)} usable): planned with {first.optimizer.describe()}, "
+            f"set {optimizer_keys(first.optimizer)}. Tried in the order {', '.join(o.describe() for o in tried)}: "
+            "AdamW's update with less state first, then Adafactor, Muon and SGD, which change the update (compare the "
+            "loss curve)")
+
+
+def minimum_gpus(args: ModelArgs, hw: Hardware, seq_len: int, per_gpu_batch: int = 1,
+                 optimizer: OptimizerChoice = ADAMW) -> tuple[int, int, Hardware, Candidate] | None:
+    """(GPUs, global batch, the hardware, the best candidate there) for the fewest GPUs of
+    this memory size on which some layout fits, with per_gpu_batch sequences per GPU (1, the
+    least memory, unless the user asked for a batch). Searches whole nodes of the same
+    size (nodes of 8 for a machine with fewer GPUs); None when even MAX_GPUS_SEARCHED do
+    not do. An offloaded optimizer runs on one GPU: the search is without offload."""
+    if optimizer.offloaded:
+        optimizer = ADAMW
+    node = max(hw.gpus_per_node, 8)
+    floor = math.ceil(state_bytes(args, optimizer) / hw.usable_bytes)  # the state alone, spread perfectly
+    counts = [n for n in (2, 4) if n < node] + list(range(node, MAX_GPUS_SEARCHED + 1, node))
+    for n in counts:
+        if n <= hw.gpus or n < floor:
+            continue
+        trial = replace(hw, gpus=n, nodes=max(1, n // node), detected=())
+        batch = n * per_gpu_batch
+        fitting = [c for c in evaluate(args, trial, seq_len, batch, optimizer=optimizer) if c.fits]
+        if fitting:
+            return n, batch, trial, rank(fitting)[0]
+    return None
+
+
+def _does_not_fit(model: ModelChoice, hw: Hardware, seq_len: int, candidates: list[Candidate],
+                  per_gpu_batch: int, optimizer: OptimizerChoice = ADAMW,
+                  alternatives: list[Candidate] | None = None) -> DuokaError:
+    args = model.args
+    smallest = min(candidates, key=lambda c: c.memory.reserved)
+    state = state_bytes(args, optimizer)
+    per_param = state / args.num_params()
+    per_param_text = f"{per_param:.0f}" if abs(per_param - round(per_param)) < 0.05 else f"{per_param:.1f}"
+    which = "AdamW" if optimizer == ADAMW else optimizer.describe()
+    host = (f" (and {gib_text(smallest.memory.host)} GiB of host memory against "
+            f"{gib_text(hw.usable_host_bytes)} usable)" if smallest.memory.host > hw.usable_host_bytes else "")
+    cause = (f"{model.label} ({args.num_params() / 1e9:.1f}B parameters) does not fit on {hw.gpus} x "
+             f"{hw.gpu_memory_gib:g} GiB in any layout: the smallest estimate is "
+             f"{gib_text(smallest.memory.reserved)} GiB reserved ({gib_text(smallest.memory.allocated)} allocated) "
+             f"per GPU ({smallest.describe()}) against {gib_text(hw.usable_bytes)} GiB usable{host}; weights, "
+             f"gradients and {which} state alone are {args.num_params() / 1e9:.1f}B x {per_param_text} bytes = "
+             f"{state / 1e12:.2f} TB ({state / GIB:.0f} GiB) over all GPUs")
+    fixes = []
+    if alternatives:
+        c = alternatives[0]
+        fixes.append(f"an optimizer with less state fits: {c.optimizer.describe()} ({c.describe(optimizer=False)}: "
+                     f"{gib_text(c.memory.reserved)} GiB reserved per GPU; set {optimizer_keys(c.optimizer)}, or "
+                     "leave --optimizer out to let the plan choose)")
+    found = minimum_gpus(args, hw, seq_len, per_gpu_batch, optimizer)
+    if found is None:
+        fixes.append(f"no layout fits even on {MAX_GPUS_SEARCHED} GPUs of {hw.gpu_memory_gib:g} GiB at seq {seq_len} "
+                     f"with {per_gpu_batch} sequence(s) per GPU: use a shorter --seq or GPUs with more memory")
+    else:
+        n, batch, trial, c = found
+        nodes = f" ({trial.nodes} nodes of {trial.gpus_per_node})" if trial.nodes > 1 else ""
+        opt_flag = "" if c.optimizer == ADAMW else f" --optimizer {c.optimizer.name}"
+        fixes.append(f"use at least {n} GPUs of {hw.gpu_memory_gib:g} GiB{nodes}: there {c.describe()} needs "
+                     f"{gib_text(c.memory.reserved)} GiB per GPU at global batch {batch} (duoka plan --model "
+                     f"{model.label} --gpus {n}{f' --nodes {trial.nodes}' if trial.nodes > 1 else ''} --gpu-memory "
+                     f"{hw.gpu_memory_gib:g} --seq {seq_len} --global-batch {batch}{opt_flag}); or GPUs with more "
+                     "memory")
+    return DuokaError(cause, "; or ".join(fixes))

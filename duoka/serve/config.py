@@ -1,0 +1,247 @@
+"""What a serving engine is built from: EngineConfig (the model, the cache, the batch limits,
+tensor parallelism) and ServerConfig (the HTTP side of `duoka serve`).
+
+Both are frozen dataclasses of plain values: they are checked once, when made, and travel
+as they are to the engine's own process (serve.engine_process) and to every tensor-parallel
+rank (serve.rank_process). EngineConfig's fields carry their documentation and command-line
+form: `duoka serve`'s and `duoka generate`'s engine flags are made from them
+(add_engine_flags, engine_config_from_args), and so is the table of engine options in
+docs/serving.md (`python -m duoka.serve.config --update docs/serving.md`), as training's
+flags and docs/config.md come from duoka.config. This module imports no torch: `duoka
+--help` builds its parsers from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import sys
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from duoka.errors import DuokaError
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+SERVE, GENERATE = "serve", "generate"  # the commands whose flags come from EngineConfig
+
+DEFAULT_HOST = "127.0.0.1"  # nothing outside this machine reaches the server unless --host says so
+DEFAULT_PORT = 8000  # vLLM's and the OpenAI clients' usual local port
+# `vllm bench serve` sends its 1,000 prompts at once by default; a waiting request costs
+# only its token ids, so the bound is there to shed a flood, not to protect memory.
+DEFAULT_MAX_QUEUE = 4096
+# Kubernetes' default terminationGracePeriodSeconds is 30 s; draining must end before it.
+DEFAULT_GRACE_S = 25.0
+
+# The generated table in docs/serving.md sits between these two lines.
+DOCS_BEGIN = "<!-- engine options: generated from duoka/serve/config.py, do not edit by hand -->"
+DOCS_END = "<!-- end of engine options -->"
+DOCS_COMMAND = "python -m duoka.serve.config --update docs/serving.md"
+
+
+def option(default, help: str, *, flag: str | None = None, commands: tuple[str, ...] = (),
+           positional: tuple[str, ...] = (), switch: dict | None = None, flag_help: str | None = None,
+           choices: tuple | None = None):
+    """An engine option with its documentation and its command-line form in one place.
+
+    flag: the option's flag (e.g. --max-model-len), on the commands named; none: Python only.
+    positional: the commands that take it as their positional argument instead.
+    switch: the flag takes no value; given, it sets these fields ({field: value}), so one
+    flag may set several fields (--enforce-eager); flag_help then says what it does."""
+    meta = {"help": help, "flag": flag, "commands": commands, "positional": positional, "switch": switch,
+            "flag_help": flag_help, "choices": choices}
+    return field(default=default, metadata=meta)
+
+
+_EAGER = {"cuda_graphs": False, "compile": False}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = option(
+        None, "model folder, hub id or a training run's hf/step-N (default: the tiny model bundled with duoka, or "
+              "the base --adapter's adapter_config.json names)",
+        flag="--model", commands=(GENERATE,), positional=(SERVE,))
+    adapter: str | None = option(
+        None, "a PEFT LoRA adapter folder (a LoRA run's hf/step-N) merged into the model's weights at load; MODEL "
+              "defaults to the base its adapter_config.json names (tp 1)",
+        flag="--adapter", commands=(SERVE, GENERATE))
+    served_model_name: str | None = option(
+        None, "the model name clients send (default: MODEL, or the --adapter folder)",
+        flag="--served-model-name", commands=(SERVE,))
+    tp: int = option(1, "tensor-parallel size: one process per GPU", flag="--tp", commands=(SERVE,))
+    device: str | None = option(None, "cpu, cuda or cuda:N (default: cuda when available)",
+                                flag="--device", commands=(SERVE, GENERATE))
+    dtype: str = option("auto", "auto = bfloat16 on GPU, float32 on CPU", flag="--dtype", commands=(SERVE, GENERATE),
+                        choices=DTYPES)
+    max_model_len: int | None = option(None, "longest prompt + output (default: the model's)",
+                                       flag="--max-model-len", commands=(SERVE,))
+    gpu_memory_utilization: float = option(
+        0.9, "share of GPU memory for weights and KV cache; on CPU, the share of free RAM the KV cache may take, "
+             "at most 1 GiB",
+        flag="--gpu-memory-utilization", commands=(SERVE,))
+    kv_cache_memory_gib: float | None = option(
+        None, "the KV cache's size in GiB, instead of what gpu_memory_utilization leaves")
+    num_kv_blocks: int | None = option(None, "a fixed KV-cache size in blocks (tests, tuning)",
+                                       flag="--num-kv-blocks", commands=(SERVE,))
+    block_size: int = option(16, "tokens per KV-cache block", flag="--block-size", commands=(SERVE,))
+    max_num_seqs: int = option(256, "most requests in one step", flag="--max-num-seqs", commands=(SERVE,))
+    max_num_batched_tokens: int = option(8192, "token budget of one step: prefill chunks beside the decodes",
+                                         flag="--max-num-batched-tokens", commands=(SERVE,))
+    enable_prefix_caching: bool = option(
+        True, "reuse the KV-cache blocks of shared prompt prefixes",
+        flag="--no-prefix-caching", commands=(SERVE,), switch={"enable_prefix_caching": False},
+        flag_help="do not reuse the blocks of shared prompt prefixes")
+    cuda_graphs: bool = option(
+        True, "replay decode-only steps from CUDA graphs captured per batch-size bucket (GPU)",
+        flag="--enforce-eager", commands=(SERVE, GENERATE), switch=_EAGER,
+        flag_help="no compiled blocks and no CUDA graphs (GPU; slower, starts faster)")
+    compile: bool | None = option(
+        None, "run each decoder block as one compiled graph (default: on GPU only)",
+        flag="--enforce-eager", commands=(SERVE, GENERATE), switch=_EAGER)
+    seed: int = option(0, "seed of the seeds drawn for requests that bring none")
+    check_weights: bool = option(
+        True, "refuse the model if a weight tensor holds NaN or infinity (one pass over the loaded weights on the "
+              "device: 7 ms for a 7B model on an H100)",
+        flag="--skip-weight-check", commands=(SERVE, GENERATE), switch={"check_weights": False},
+        flag_help="load the weights even if a tensor holds NaN or infinity")
+
+    def __post_init__(self):
+        if self.tp < 1:
+            raise DuokaError(f"--tp {self.tp} must be at least 1", "give the number of GPUs to split the model over")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise DuokaError(f"--gpu-memory-utilization {self.gpu_memory_utilization} is outside (0, 1]",
+                             "give the share of the GPU's memory to use, e.g. 0.9")
+        if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise DuokaError("block size, max_num_seqs and max_num_batched_tokens must be at least 1",
+                             "leave them at their defaults (16, 256, 8192) unless you are tuning")
+        # Plain strings, whatever path type the caller had: the config travels between processes.
+        for name in ("model", "adapter"):
+            value = getattr(self, name)
+            if isinstance(value, Path):
+                object.__setattr__(self, name, str(value))
+
+    @classmethod
+    def from_options(cls, **options) -> EngineConfig:
+        """The config from keyword options (the Python API's `LLM(model, **options)`); a name
+        that is no option is refused with the nearest one and the whole list."""
+        names = [f.name for f in fields(cls)]
+        unknown = [name for name in options if name not in names]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], names, n=1)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise DuokaError(f"{unknown[0]!r} is not an engine option",
+                             f"{hint}the options are: {', '.join(names)} (docs/serving.md)")
+        return cls(**options)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP side of `duoka serve` (serve.server.serve's keywords; it checks them)."""
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    api_key: str | None = field(default=None, repr=False)  # a secret: kept out of logs and tracebacks
+    max_queue: int = DEFAULT_MAX_QUEUE
+    served_model_name: str | None = None
+    grace_s: float = DEFAULT_GRACE_S
+
+    def kwargs(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------- command-line flags
+def _takes(f: dataclasses.Field, command: str) -> bool:
+    return command in f.metadata["commands"] or command in f.metadata["positional"]
+
+
+def _value_type(f: dataclasses.Field) -> type:
+    """int for `int | None`, and so on: what argparse converts a flag's text to."""
+    hint = typing.get_type_hints(EngineConfig)[f.name]
+    kinds = [t for t in typing.get_args(hint) if t is not type(None)] or [hint]
+    return kinds[0]
+
+
+def _flag_help(f: dataclasses.Field) -> str:
+    m = f.metadata
+    if m["switch"] is not None:
+        return m["flag_help"]
+    number = isinstance(f.default, (int, float)) and not isinstance(f.default, bool)
+    return m["help"] + (f" (default {f.default:g})" if number else "")
+
+
+def add_engine_flags(parser, command: str) -> None:
+    """The engine options `command` takes, as flags of `parser` (a parser or an argument
+    group), in EngineConfig's field order; a flag shared by several fields is added once."""
+    added = set()
+    for f in fields(EngineConfig):
+        m = f.metadata
+        if not _takes(f, command) or m["flag"] in added:
+            continue
+        if command in m["positional"]:
+            parser.add_argument(f.name, nargs="?", default=f.default, help=m["help"])
+        elif m["switch"] is not None:
+            parser.add_argument(m["flag"], action="store_true", help=_flag_help(f))
+        else:
+            parser.add_argument(m["flag"], dest=f.name, type=_value_type(f), default=f.default,
+                                choices=m["choices"], help=_flag_help(f))
+        added.add(m["flag"])
+
+
+def engine_config_from_args(args: argparse.Namespace, command: str, **overrides) -> EngineConfig:
+    """The EngineConfig of a parsed command line (add_engine_flags' flags of `command`), with
+    `overrides` (what the command decides itself) on top."""
+    values = {}
+    for f in fields(EngineConfig):
+        m = f.metadata
+        if not _takes(f, command):
+            continue
+        if m["switch"] is None:
+            values[f.name] = getattr(args, f.name)
+        elif getattr(args, m["flag"].removeprefix("--").replace("-", "_")):
+            values.update(m["switch"])
+    return EngineConfig(**{**values, **overrides})
+
+
+# ---------------------------------------------------------------- docs/serving.md
+def _flag_cell(f: dataclasses.Field) -> str:
+    m = f.metadata
+    cells = []
+    for command in m["positional"]:
+        cells.append(f"`{f.name.upper()}` ({command})")
+    commands = [c for c in m["commands"] if c not in m["positional"]]
+    if commands:
+        sets = f" sets {str(m['switch'][f.name]).lower()}" if m["switch"] is not None else ""
+        cells.append(f"`{m['flag']}` ({', '.join(commands)}){sets}")
+    return ", ".join(cells) or "Python only"
+
+
+def reference_markdown() -> str:
+    """The table of engine options in docs/serving.md, generated from EngineConfig's fields."""
+    out = [DOCS_BEGIN, "", "| option | flag | default | meaning |", "|---|---|---|---|"]
+    for f in fields(EngineConfig):
+        out.append(f"| `{f.name}` | {_flag_cell(f)} | `{f.default!r}` | {f.metadata['help']} |")
+    return "\n".join(out + ["", DOCS_END])
+
+
+def docs_section(text: str) -> str | None:
+    """The generated part of a document (its markers included), or None without one."""
+    begin, end = text.find(DOCS_BEGIN), text.find(DOCS_END)
+    if begin < 0 or end < begin:
+        return None
+    return text[begin:end + len(DOCS_END)]
+
+
+def update_docs(path: Path) -> None:
+    text = path.read_text()
+    old = docs_section(text)
+    if old is None:
+        raise SystemExit(f"{path} has no line {DOCS_BEGIN!r} followed by {DOCS_END!r}")
+    path.write_text(text.replace(old, reference_markdown()))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--update"] and len(sys.argv) == 3:
+        update_docs(Path(sys.argv[2]))
+    else:
+        print(reference_markdown())
