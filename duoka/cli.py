@@ -154,6 +154,10 @@ def add_serve_parser(sub) -> None:
                              f"(default {DEFAULT_MAX_QUEUE})")
     server.add_argument("--grace", type=float, default=DEFAULT_GRACE_S,
                         help=f"seconds in-flight requests may finish after SIGTERM (default {DEFAULT_GRACE_S:g})")
+    server.add_argument("--allowed-origins", default=None, metavar="ORIGINS",
+                        help="CORS: the browser origins that may call the API, comma-separated "
+                             "(https://app.example.com,http://localhost:3000), or * (default: none, no CORS headers)")
+    server.add_argument("--log-requests", action="store_true", help="one log line per request: path, status, ms, id")
     p.set_defaults(func=run_serve)
 
 
@@ -162,10 +166,12 @@ def run_serve(a: argparse.Namespace) -> int:
 
     from duoka.launch.serving import launch_serving
     from duoka.serve.config import SERVE, ServerConfig, engine_config_from_args
+    from duoka.serve.http_middleware import parse_origins
 
     use_compile_cache()
 
     config = engine_config_from_args(a, SERVE)  # refuses --tp 0, --gpu-memory-utilization 2, ...
+    origins = parse_origins(a.allowed_origins)  # refused now, not once the model has loaded
     if config.adapter is not None:
         if config.tp > 1:  # the engine refuses it too, but only once every rank has started
             raise DuokaError(f"--adapter with --tp {config.tp}: the adapter is merged into whole weights, which "
@@ -176,7 +182,8 @@ def run_serve(a: argparse.Namespace) -> int:
                          served_model_name=config.served_model_name or config.adapter,
                          adapter=str(Path(config.adapter).resolve()))
     server = ServerConfig(host=a.host, port=a.port, api_key=a.api_key or os.environ.get(SERVE_API_KEY_ENV),
-                          max_queue=a.max_queue, served_model_name=config.served_model_name, grace_s=a.grace)
+                          max_queue=a.max_queue, served_model_name=config.served_model_name, grace_s=a.grace,
+                          allowed_origins=origins, log_requests=a.log_requests)
     return launch_serving(config, server, log=log)
 
 

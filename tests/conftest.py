@@ -4,7 +4,9 @@ written by transformers itself, and a small Qwen2-style tokenizer trained with
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +14,7 @@ from unittest import mock
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -162,3 +165,61 @@ def tokenizer_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tokenizer")
     train_bpe_tokenizer(TOKENIZER_TEXTS, 600, folder)
     return folder
+
+
+# Qwen2.5-Instruct's chat template (from Qwen/Qwen2.5-7B-Instruct's tokenizer_config.json,
+# Apache-2.0): tools in the system prompt, tool calls and tool results in the Hermes format.
+QWEN25_CHAT_TEMPLATE = ROOT / "tests" / "fixtures" / "qwen2_5_chat_template.jinja"
+
+
+def use_qwen25_chat_template(folder: Path) -> Path:
+    """Gives the model or tokenizer folder Qwen2.5-Instruct's chat template (in
+    tokenizer_config.json, where the official model keeps it); returns the folder."""
+    (folder / "chat_template.jinja").unlink(missing_ok=True)  # it would win over the config's
+    config_file = folder / "tokenizer_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config["chat_template"] = QWEN25_CHAT_TEMPLATE.read_text(encoding="utf-8")
+    config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def qwen25_tokenizer_dir(tokenizer_dir, tmp_path_factory):
+    """tokenizer_dir's tokenizer with Qwen2.5-Instruct's tools-capable chat template."""
+    folder = tmp_path_factory.mktemp("tokenizer-qwen2.5")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tokenizer_dir / name, folder / name)
+    return use_qwen25_chat_template(folder)
+
+
+def _write_adapter(folder, args, rank, alpha, targets, rslora=False, seed=0, layers=None, extra=None):
+    """A PEFT LoRA adapter folder for a model of `args`, with random A and B (B too: a fresh
+    adapter's zero B would change nothing)."""
+    from duoka.models.qwen2.multi_lora import MODULES
+    from duoka.models.qwen2.peft import peft_name
+
+    gen = torch.Generator().manual_seed(seed)
+    hd = args.resolved_head_dim
+    q, kv, dim, mlp = args.n_heads * hd, args.n_kv_heads * hd, args.dim, args.intermediate_size
+    shapes = {"q_proj": (q, dim), "k_proj": (kv, dim), "v_proj": (kv, dim), "o_proj": (dim, q),
+              "gate_proj": (mlp, dim), "up_proj": (mlp, dim), "down_proj": (dim, mlp)}
+    tensors = {}
+    for layer in range(args.n_layers) if layers is None else layers:
+        for target in targets:
+            out, inp = shapes[target]
+            stem = f"layers.{layer}.{MODULES[target]}"
+            tensors[peft_name(f"{stem}.lora_a.weight")] = torch.randn(rank, inp, generator=gen) * 0.3
+            tensors[peft_name(f"{stem}.lora_b.weight")] = torch.randn(out, rank, generator=gen) * 0.3
+    tensors.update(extra or {})
+    folder.mkdir(parents=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+              "target_modules": list(targets), "use_rslora": rslora, "base_model_name_or_path": "tiny"}
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(scope="session")
+def write_adapter():
+    """_write_adapter: a random PEFT LoRA adapter folder for a model's ModelArgs."""
+    return _write_adapter

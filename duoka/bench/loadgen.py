@@ -43,6 +43,12 @@ BATCH1_RUNS = 3
 class Request:
     prompt: list[int] | str
     max_tokens: int
+    model: str | None = None
+    """The model to name (an adapter of the server's); None: the run's model."""
+    chat: bool = False
+    """Sent to /v1/chat/completions as one user message (the prompt must be text)."""
+    fields: dict = field(default_factory=dict)
+    """More request fields (response_format, tools, ...), added to the body as they are."""
 
 
 @dataclass
@@ -183,16 +189,21 @@ def _error_text(status: int, body: bytes) -> str:
 
 
 async def send(client: httpx.AsyncClient, model: str, request: Request) -> Result:
-    """One streamed /v1/completions request, timed."""
-    body = {"model": model, "prompt": request.prompt, "max_tokens": request.max_tokens, "ignore_eos": True,
-            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+    """One streamed /v1/completions (or chat) request, timed."""
+    body = {"model": request.model or model, "max_tokens": request.max_tokens, "ignore_eos": True,
+            "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}, **request.fields}
+    if request.chat:
+        body["messages"] = [{"role": "user", "content": request.prompt}]
+    else:
+        body["prompt"] = request.prompt
     out = Result(prompt_tokens=len(request.prompt) if isinstance(request.prompt, list) else 0)
     usage = None
     first = last = None
     chunks = 0
     start = time.perf_counter()
     try:
-        async with client.stream("POST", "/v1/completions", json=body) as response:
+        path = "/v1/chat/completions" if request.chat else "/v1/completions"
+        async with client.stream("POST", path, json=body) as response:
             if response.status_code != 200:
                 out.error = _error_text(response.status_code, await response.aread())
                 return out

@@ -99,6 +99,30 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def token_strings(self, size: int) -> list[str]:
+        """Id i's token as the vocabulary stores it (byte-level text for Qwen2), for ids below
+        `size` (the model's vocabulary, which may be larger): "" for ids without a token and for
+        special tokens, which never stand for text (a grammar engine must not spell JSON with them)."""
+        out = [""] * size
+        for token, i in self._tok.get_vocab(with_added_tokens=True).items():
+            if i < size:
+                out[i] = token
+        for i, added in self._tok.get_added_tokens_decoder().items():
+            if added.special and i < size:
+                out[i] = ""
+        return out
+
+    def decoder_kind(self) -> tuple[str, bool]:
+        """(the decoder's type, e.g. "ByteLevel", and whether a prefix space is added), read from
+        tokenizer.json: how a token's stored text maps back to bytes."""
+        spec = json.loads(self._tok.to_str())
+        decoder = spec.get("decoder") or {}
+        kinds = [d.get("type") for d in decoder.get("decoders", [])] if decoder.get("type") == "Sequence" else [
+            decoder.get("type")]
+        kind = "ByteLevel" if "ByteLevel" in kinds else "ByteFallback" if "ByteFallback" in kinds else "Raw"
+        pre = json.dumps(spec.get("pre_tokenizer") or {})
+        return kind, '"add_prefix_space": true' in pre or '"prepend_scheme": "always"' in pre
+
     def _special_id(self, key: str) -> int | None:
         text = self.special_tokens.get(key)
         return None if text is None else self._tok.token_to_id(text)

@@ -38,7 +38,9 @@ def launch_serving(config: EngineConfig, server: ServerConfig, log=print) -> int
     check_tp_size(read_config(folder), config.tp)
     # The ranks load the resolved folder; clients keep calling the model by the name given.
     name = config.served_model_name or config.model or BUNDLED_MODEL_NAME
-    config = dataclasses.replace(config, model=str(folder), served_model_name=name)
+    # Adapter folders absolute: every process, and /v1/models, see the same ones.
+    loras = tuple((lora, str(Path(path).resolve())) for lora, path in config.loras)
+    config = dataclasses.replace(config, model=str(folder), served_model_name=name, loras=loras)
     if config.tp == 1:
         # The engine in a process of its own: the HTTP loop's work per token then takes no
         # GIL from it (serve.engine_process). With tp > 1 rank 0 runs both, in two threads.

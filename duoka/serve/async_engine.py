@@ -76,6 +76,8 @@ class _Add:
     stream: RequestStream
     accepted: asyncio.Future
     arrival: float
+    lora: str | None = None
+    after: str | None = None
 
 
 @dataclass
@@ -216,9 +218,11 @@ class AsyncEngine:
         self._thread.start()
 
     # ---------------------------------------------------------------- event-loop side
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> RequestStream:
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
+                       lora: str | None = None, after: str | None = None) -> RequestStream:
         """Queue a request; returns its stream once the engine has accepted it. Raises the
-        engine's DuokaError when it refuses the request, or ServerBusy."""
+        engine's DuokaError when it refuses the request, or ServerBusy. lora, after: the
+        engine's add_request's."""
         loop = asyncio.get_running_loop()
         arrival = time.monotonic()
         stream = RequestStream(self, request_id)
@@ -231,7 +235,7 @@ class AsyncEngine:
             if self._engine_waiting + self._pending_adds >= self.max_queue:
                 raise QueueFull(f"{self._engine_waiting + self._pending_adds} requests are already waiting "
                                 f"(--max-queue {self.max_queue}); retry shortly")
-            self._inbox.append(_Add(request_id, list(prompt_ids), params, stream, accepted, arrival))
+            self._inbox.append(_Add(request_id, list(prompt_ids), params, stream, accepted, arrival, lora, after))
             self._pending_adds += 1
             self._in_flight += 1
             self._cv.notify()
@@ -325,7 +329,8 @@ class AsyncEngine:
             if isinstance(command, _Add):
                 applied_adds += 1
                 try:
-                    self.engine.add_request(command.request_id, command.prompt_ids, command.params)
+                    self.engine.add_request(command.request_id, command.prompt_ids, command.params,
+                                            lora=command.lora, after=command.after)
                 except Exception as e:  # DuokaError: refused (the caller's 400); anything else: its 500
                     self._settle(command.accepted, e)
                     with self._cv:

@@ -33,6 +33,13 @@ def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
     return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
 
 
+def chain_seed(adapter: int) -> bytes:
+    """The parent hash of a sequence's first block: b"" for the base model, a digest of the
+    slot for a LoRA adapter's (Sequence.adapter). The same tokens give other keys and values
+    under another adapter, so its blocks must never be found by another adapter's prompts."""
+    return hashlib.sha256(b"duoka lora adapter %d" % adapter).digest() if adapter else b""
+
+
 class BlockManager:
     """Block ids 0..num_blocks-1 with reference counts, a free list in LRU order and a
     hash -> block map of cached full blocks. `seq` arguments are duoka.serve.scheduler.Sequence
@@ -203,4 +210,4 @@ class BlockManager:
         hashes, ids, bs = seq.block_hashes, seq.all_ids, self.block_size
         assert n * bs <= len(ids)
         for i in range(len(hashes), n):
-            hashes.append(block_hash(hashes[-1] if i else b"", ids[i * bs:(i + 1) * bs]))
+            hashes.append(block_hash(hashes[-1] if i else chain_seed(seq.adapter), ids[i * bs:(i + 1) * bs]))

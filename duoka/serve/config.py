@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import sys
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -42,16 +43,28 @@ DOCS_COMMAND = "python -m duoka.serve.config --update docs/serving.md"
 
 def option(default, help: str, *, flag: str | None = None, commands: tuple[str, ...] = (),
            positional: tuple[str, ...] = (), switch: dict | None = None, flag_help: str | None = None,
-           choices: tuple | None = None):
+           choices: tuple | None = None, repeat: Callable[[str], typing.Any] | None = None, metavar: str | None = None):
     """An engine option with its documentation and its command-line form in one place.
 
     flag: the option's flag (e.g. --max-model-len), on the commands named; none: Python only.
     positional: the commands that take it as their positional argument instead.
     switch: the flag takes no value; given, it sets these fields ({field: value}), so one
-    flag may set several fields (--enforce-eager); flag_help then says what it does."""
+    flag may set several fields (--enforce-eager); flag_help then says what it does.
+    repeat: the flag may be given several times; this function turns each text into one
+    item of the field's tuple (raising DuokaError for a malformed one)."""
     meta = {"help": help, "flag": flag, "commands": commands, "positional": positional, "switch": switch,
-            "flag_help": flag_help, "choices": choices}
+            "flag_help": flag_help, "choices": choices, "repeat": repeat, "metavar": metavar}
     return field(default=default, metadata=meta)
+
+
+def parse_lora(text: str) -> tuple[str, str]:
+    """--lora NAME=DIR -> (NAME, DIR)."""
+    name, sep, folder = text.partition("=")
+    if not sep or not name.strip() or not folder.strip():
+        raise DuokaError(f"--lora {text!r} is not of the form NAME=DIR",
+                         "give the name clients send as the request's model, then = and the adapter's folder, "
+                         "e.g. --lora sql=/adapters/sql")
+    return name.strip(), folder.strip()
 
 
 _EAGER = {"cuda_graphs": False, "compile": False}
@@ -67,6 +80,11 @@ class EngineConfig:
         None, "a PEFT LoRA adapter folder (a LoRA run's hf/step-N) merged into the model's weights at load; MODEL "
               "defaults to the base its adapter_config.json names (tp 1)",
         flag="--adapter", commands=(SERVE, GENERATE))
+    loras: tuple[tuple[str, str], ...] = option(
+        (), "PEFT LoRA adapters served beside the base, each request choosing one by its model field (NAME), "
+            "requests of different adapters batched together; repeat the flag for each adapter (Python: a dict "
+            "or (name, folder) pairs)",
+        flag="--lora", commands=(SERVE,), repeat=parse_lora, metavar="NAME=DIR")
     served_model_name: str | None = option(
         None, "the model name clients send (default: MODEL, or the --adapter folder)",
         flag="--served-model-name", commands=(SERVE,))
@@ -121,6 +139,7 @@ class EngineConfig:
             value = getattr(self, name)
             if isinstance(value, Path):
                 object.__setattr__(self, name, str(value))
+        object.__setattr__(self, "loras", _checked_loras(self.loras))
 
     @classmethod
     def from_options(cls, **options) -> EngineConfig:
@@ -136,6 +155,22 @@ class EngineConfig:
         return cls(**options)
 
 
+def _checked_loras(loras) -> tuple[tuple[str, str], ...]:
+    """EngineConfig.loras as (name, folder) string pairs with unique names; a dict is taken as its items."""
+    pairs = tuple(loras.items()) if isinstance(loras, dict) else tuple(loras)
+    if not all(isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) and p[0].strip()
+               and isinstance(p[1], (str, Path)) and str(p[1]).strip() for p in pairs):
+        raise DuokaError(f"loras={loras!r} is not a list of (name, folder) pairs",
+                         'give e.g. loras={"sql": "/adapters/sql"} (on the command line: --lora sql=/adapters/sql)')
+    pairs = tuple((name, str(folder)) for name, folder in pairs)
+    names = [name for name, _ in pairs]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        raise DuokaError(f"--lora {twice[0]} is given more than once",
+                         "give each adapter its own name: requests choose an adapter by its name")
+    return pairs
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """The HTTP side of `duoka serve` (serve.server.serve's keywords; it checks them)."""
@@ -145,6 +180,8 @@ class ServerConfig:
     max_queue: int = DEFAULT_MAX_QUEUE
     served_model_name: str | None = None
     grace_s: float = DEFAULT_GRACE_S
+    allowed_origins: tuple[str, ...] = ()  # CORS: the browser origins allowed to call the API; none by default
+    log_requests: bool = False  # one log line per request (method, path, status, ms, request id)
 
     def kwargs(self) -> dict:
         return dataclasses.asdict(self)
@@ -180,6 +217,9 @@ def add_engine_flags(parser, command: str) -> None:
             continue
         if command in m["positional"]:
             parser.add_argument(f.name, nargs="?", default=f.default, help=m["help"])
+        elif m["repeat"] is not None:  # texts collected here, parsed by engine_config_from_args (a DuokaError)
+            parser.add_argument(m["flag"], dest=f.name, action="append", default=None, metavar=m["metavar"],
+                                help=m["help"])
         elif m["switch"] is not None:
             parser.add_argument(m["flag"], action="store_true", help=_flag_help(f))
         else:
@@ -196,7 +236,9 @@ def engine_config_from_args(args: argparse.Namespace, command: str, **overrides)
         m = f.metadata
         if not _takes(f, command):
             continue
-        if m["switch"] is None:
+        if m["repeat"] is not None:
+            values[f.name] = tuple(m["repeat"](text) for text in getattr(args, f.name) or ())
+        elif m["switch"] is None:
             values[f.name] = getattr(args, f.name)
         elif getattr(args, m["flag"].removeprefix("--").replace("-", "_")):
             values.update(m["switch"])
@@ -212,7 +254,8 @@ def _flag_cell(f: dataclasses.Field) -> str:
     commands = [c for c in m["commands"] if c not in m["positional"]]
     if commands:
         sets = f" sets {str(m['switch'][f.name]).lower()}" if m["switch"] is not None else ""
-        cells.append(f"`{m['flag']}` ({', '.join(commands)}){sets}")
+        flag = f"{m['flag']} {m['metavar']}" if m["metavar"] else m["flag"]
+        cells.append(f"`{flag}` ({', '.join(commands)}){sets}")
     return ", ".join(cells) or "Python only"
 
 

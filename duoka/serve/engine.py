@@ -28,10 +28,13 @@ from duoka.serve.params import RequestOutput, SamplingParams, TokenLogprob
 from duoka.serve.runner import CacheShape, ModelRunner, decode_first, prepare_inputs
 from duoka.serve.sampling import SampleRow
 from duoka.serve.scheduler import ScheduledBatch, Scheduler, SeqStatus, Sequence
+from duoka.serve.structured import GrammarRows
 from duoka.serve.worker import RunnerFactory, Worker
 
 BUNDLED_MODEL_NAME = "duoka-tiny-qwen2"  # what clients call the model served when none is named
 
+# An engine whose only requests wait for their grammars sleeps this long per step, not spinning.
+GRAMMAR_WAIT_S = 0.02
 # Sampling defaults a model folder's generation_config.json may set (what vLLM takes from it).
 GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k")
 
@@ -76,6 +79,10 @@ class RequestLimits:
             raise DuokaError(f"the request needs {total} tokens of KV cache; the whole cache holds "
                              f"{self.num_blocks * self.block_size}",
                              "lower max_tokens, or give the server more memory (--gpu-memory-utilization)")
+        # logit_bias is sorted by token id: its last id is the largest.
+        if params.logit_bias and params.logit_bias[-1][0] >= self.vocab_size:
+            raise DuokaError(f"logit_bias token id {params.logit_bias[-1][0]} is outside the vocabulary "
+                             f"(0..{self.vocab_size - 1})", "bias token ids of this model's tokenizer")
 
 
 @dataclass(frozen=True)
@@ -91,6 +98,17 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
+def lora_slot(names: tuple[str, ...], lora: str | None) -> int:
+    """The slot of adapter `lora` among the served adapters `names` (1..n in order); 0 for None,
+    the base model. Shared by the engine and its process's server side (the same refusal)."""
+    if lora is None:
+        return 0
+    if lora in names:
+        return names.index(lora) + 1
+    raise DuokaError(f"LoRA adapter {lora!r} is not served here (served: {', '.join(names) or 'none'})",
+                     "use one of the served adapters' names, or start the server with --lora NAME=DIR")
+
+
 class LLMEngine:
     """Serves requests step by step from an EngineConfig: the scheduler, the block manager and
     the output processing (detokenizer, stop strings) here, the model in its Worker (rank 0's,
@@ -103,6 +121,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, *, tp_group: dist.ProcessGroup | None = None, log=_log,
                  runner_factory: RunnerFactory = ModelRunner):
         self.config = config
+        self.log = log
         worker = self.worker = Worker(config, tp_group=tp_group, log=log, runner_factory=runner_factory)
         if worker.rank != 0:
             raise RuntimeError("an LLMEngine runs on rank 0 of its tensor-parallel group; the other ranks run "
@@ -110,6 +129,12 @@ class LLMEngine:
         self.folder, self.device, self.dtype = worker.folder, worker.device, worker.dtype
         self.max_model_len = worker.max_model_len
         self.model_name = config.served_model_name or str(config.model or BUNDLED_MODEL_NAME)
+        # The --lora adapters as (name, folder), in slot order (slot i + 1; 0 is the base model).
+        self.loras: tuple[tuple[str, str], ...] = config.loras
+        self.lora_names: tuple[str, ...] = tuple(name for name, _ in config.loras)
+        if self.model_name in self.lora_names:  # a request's model field must name one model
+            raise DuokaError(f"--lora {self.model_name} has the name the base model is served under",
+                             "give the adapter another name, or the base one with --served-model-name")
         # Before the load, which takes minutes for a large model: a folder without a tokenizer fails at once.
         self.tokenizer: Tokenizer = load_tokenizer(self.folder)
         worker.start()
@@ -128,6 +153,9 @@ class LLMEngine:
         gen = self.tokenizer.generation_config
         self.default_params = {k: gen[k] for k in GENERATION_CONFIG_KEYS if k in gen}
         self._seeds = random.Random(config.seed)
+        # Constrained requests (structured output) wait here until their grammar has compiled.
+        self.grammars = GrammarRows(self.tokenizer, args.vocab_size, self.eos_ids)
+        self._compiling: list[Sequence] = []
         # id -> (seq, detok, its sampling row: params and seed fixed, output_index set each step)
         self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer, SampleRow]] = {}
         self._aborted: list[RequestOutput] = []
@@ -142,16 +170,34 @@ class LLMEngine:
         known = {f.name for f in fields(SamplingParams)}
         return SamplingParams(**{**self.default_params, **{k: v for k, v in overrides.items() if k in known}})
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
+                    lora: str | None = None, after: str | None = None) -> None:
+        """lora: the name of a --lora adapter to run the request with (None: the base model).
+        after: a running request whose prompt this one repeats (another of its n choices): this
+        one waits for that prompt's blocks and reuses them."""
         if request_id in self._requests:
             raise DuokaError(f"request id {request_id!r} is already running", "give each request its own id")
         self.limits.check(prompt_ids, params)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        seq = Sequence(request_id, list(prompt_ids), params)
+        sibling = self._requests.get(after)[0] if after in self._requests else None
+        seq = Sequence(request_id, list(prompt_ids), params, adapter=self.adapter_index(lora), after=sibling)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop)
-        self.scheduler.add(seq)
-        # The row reads seq.output_ids, the list itself (it only grows), for the penalties.
-        self._requests[request_id] = (seq, detok, SampleRow(params, seed, 0, seq.output_ids))
+        if params.structured is not None:
+            self.grammars.submit(request_id, params.structured)
+            self._compiling.append(seq)
+        else:
+            self.scheduler.add(seq)
+        # The row reads seq.output_ids, the list itself (it only grows), for the penalties;
+        # until min_tokens are generated, the stop ids cannot be sampled.
+        blocked = (set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+                   if params.min_tokens else ())
+        self._requests[request_id] = (seq, detok, SampleRow(params, seed, 0, seq.output_ids, seq.prompt_ids,
+                                                            tuple(sorted(blocked))))
+
+    def adapter_index(self, lora: str | None) -> int:
+        """The index of adapter `lora` in the model's adapter slots (1..n, --lora's order); 0,
+        for None, is the base model. An unknown name is refused, naming the loaded ones."""
+        return lora_slot(self.lora_names, lora)
 
     def abort(self, request_id: str) -> None:
         """Free the request's blocks now; its final output (finish_reason "abort") comes with the next step."""
@@ -160,6 +206,9 @@ class LLMEngine:
             return
         seq = entry[0]
         self.scheduler.abort(request_id)
+        self.grammars.drop(request_id)
+        if seq in self._compiling:
+            self._compiling.remove(seq)
         self._aborted.append(RequestOutput(request_id, [], "", None, True, "abort", seq.num_prompt_tokens,
                                            seq.num_output_tokens, seq.num_cached_tokens))
 
@@ -175,10 +224,14 @@ class LLMEngine:
         before that step has finished (scheduling waits for it)."""
         outputs, self._aborted = self._aborted, []
         landed = self._land()
+        if self._compiling:
+            outputs += self._admit_compiled()
         batch: ScheduledBatch = self.scheduler.schedule()
         self._preemptions += len(batch.preempted)
         if batch.items:
             self._launch(batch)
+        elif self._compiling and self._in_flight is None and not landed:
+            self.grammars.wait(GRAMMAR_WAIT_S)  # nothing to run until a grammar compiles: no busy loop
         requests = self._requests
         for seq, token, logprob in landed:
             if seq.request_id in requests:  # not aborted since
@@ -202,7 +255,9 @@ class LLMEngine:
                 rows.append(row)
                 ids.append(seq.request_id)
         self._prompt_tokens += prompt_tokens
-        self._in_flight = (batch, ids, self.worker.sample(logits, rows))
+        # The constrained rows' masks are filled on the host while the device runs the forward.
+        masks = self.grammars.fill(list(enumerate(ids))) if self.grammars else None
+        self._in_flight = (batch, ids, self.worker.sample(logits, rows, masks))
 
     def _land(self) -> list[tuple[Sequence, int, TokenLogprob | None]]:
         """The step in flight, finished: its tokens appended (the scheduler drops those of
@@ -215,8 +270,35 @@ class LLMEngine:
         sampled = dict(zip(ids, result.token_ids))
         logprobs = dict(zip(ids, result.logprobs)) if any(result.logprobs) else {}
         self._generation_tokens += len(sampled)
-        return [(seq, sampled[seq.request_id], logprobs.get(seq.request_id))
-                for seq in self.scheduler.update(batch, sampled)]
+        landed = [(seq, sampled[seq.request_id], logprobs.get(seq.request_id))
+                  for seq in self.scheduler.update(batch, sampled)]
+        grammars = self.grammars
+        if grammars:
+            for seq, token, _ in landed:
+                # A grammar that has ended (its stop token taken, even under ignore_eos) ends the request.
+                if seq.request_id in grammars and grammars.accept(seq.request_id, token) \
+                        and seq.status is not SeqStatus.FINISHED:
+                    self.scheduler.finish(seq, "stop")
+        return landed
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Hand the requests whose grammar has compiled to the scheduler, in arrival order; a
+        grammar that failed to compile ends its request (the API checked it, so this is rare)."""
+        waiting, outputs = [], []
+        for seq in self._compiling:
+            try:
+                if not self.grammars.ready(seq.request_id):
+                    waiting.append(seq)
+                    continue
+            except DuokaError as e:
+                self.log(f"duoka: request {seq.request_id}: {e.cause}")
+                self._requests.pop(seq.request_id, None)
+                self.grammars.drop(seq.request_id)
+                outputs.append(RequestOutput(seq.request_id, [], "", None, True, "abort", seq.num_prompt_tokens, 0, 0))
+                continue
+            self.scheduler.add(seq)
+        self._compiling = waiting
+        return outputs
 
     def _output(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         detok = self._requests[seq.request_id][1]
@@ -233,6 +315,7 @@ class LLMEngine:
             if stop is None:
                 text += detok.flush()
             del self._requests[seq.request_id]
+            self.grammars.drop(seq.request_id)
         return RequestOutput(seq.request_id, new_ids, text, None if logprob is None else [logprob], finished,
                              seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids), seq.num_cached_tokens)
 
@@ -243,6 +326,7 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Release the other tensor-parallel ranks (their run_worker returns); nothing at tp 1."""
+        self.grammars.close()
         self.worker.shutdown()
 
 

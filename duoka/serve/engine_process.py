@@ -36,7 +36,7 @@ from duoka.data.tokenizer import load_tokenizer
 from duoka.errors import DuokaError
 from duoka.host.lifetime import die_with_launcher
 from duoka.serve.config import EngineConfig
-from duoka.serve.engine import EngineStats, LLMEngine, RequestLimits
+from duoka.serve.engine import EngineStats, LLMEngine, RequestLimits, lora_slot
 from duoka.serve.params import RequestOutput, SamplingParams
 from duoka.serve.worker import RunnerFactory
 
@@ -57,6 +57,7 @@ class EngineInfo:
     default_params: dict
     limits: RequestLimits
     stats: EngineStats
+    loras: tuple[tuple[str, str], ...] = ()  # the --lora adapters: (name, folder) in slot order
 
 
 class EngineProcess:
@@ -79,6 +80,8 @@ class EngineProcess:
         self.max_model_len = info.max_model_len
         self.default_params = info.default_params
         self.limits = info.limits
+        self.loras = info.loras
+        self.lora_names = tuple(name for name, _ in info.loras)
         self.tokenizer = load_tokenizer(self.folder)
         self.device = None  # the model is in the other process: this side needs no CUDA device
         self._stats = info.stats
@@ -114,11 +117,13 @@ class EngineProcess:
         return reply
 
     # ---------------------------------------------------------------- the engine's interface
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
+                    lora: str | None = None, after: str | None = None) -> None:
         if request_id in self._unfinished:
             raise DuokaError(f"request id {request_id!r} is already running", "give each request its own id")
         self.limits.check(prompt_ids, params)
-        self._send(("add", request_id, list(prompt_ids), params))
+        lora_slot(self.lora_names, lora)  # an unknown adapter is refused here, as the engine would
+        self._send(("add", request_id, list(prompt_ids), params, lora, after))
         self._unfinished.add(request_id)
 
     def abort(self, request_id: str) -> None:
@@ -180,7 +185,7 @@ def engine_main(config: EngineConfig, conn, log=None, runner_factory: RunnerFact
         conn.send(("crash", traceback.format_exc()))
         return
     conn.send(("ready", EngineInfo(str(engine.folder), engine.model_name, engine.max_model_len,
-                                   engine.default_params, engine.limits, engine.stats())))
+                                   engine.default_params, engine.limits, engine.stats(), engine.loras)))
     try:
         _loop(engine, conn)
     except (EOFError, BrokenPipeError):
@@ -199,7 +204,8 @@ def _loop(engine: LLMEngine, conn) -> None:
                 return
             try:
                 if command[0] == "add":
-                    engine.add_request(*command[1:])
+                    request_id, prompt_ids, params, lora, after = command[1:]
+                    engine.add_request(request_id, prompt_ids, params, lora=lora, after=after)
                 else:
                     engine.abort(command[1])
             except Exception:

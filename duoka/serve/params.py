@@ -10,6 +10,7 @@ merged the same way.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 from duoka.errors import DuokaError
@@ -24,6 +25,17 @@ MAX_STOP_STRINGS = 16
 PENALTY_RANGE = (-2.0, 2.0)
 # The sampler hashes the seed as a 64-bit integer; vLLM accepts the same range.
 SEED_RANGE = (-(2**63), 2**63 - 1)
+# OpenAI's range for a logit_bias value: -100 bans a token in practice, +100 forces it.
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+# OpenAI allows 300 logit_bias entries. A few more are accepted (a word and its variants in a
+# large vocabulary add up), but not without bound: every entry goes to the device in every
+# step the request samples in, and is checked against the vocabulary at admission.
+MAX_LOGIT_BIAS = 1024
+# What a structured output constrains the text to: any JSON object, JSON that a schema
+# describes, the language of an EBNF grammar, or one Hermes tool call whose object the schema
+# describes (serve.structured.TOOL_CALL_PREFIX, the object, TOOL_CALL_SUFFIX).
+STRUCTURED_KINDS = ("json_object", "json_schema", "ebnf", "tool_call")
+_DECIMAL = re.compile(r"-?[0-9]+")  # ASCII only: str.isdecimal() would take other scripts' digits
 
 
 def _is_int(x) -> bool:
@@ -32,6 +44,71 @@ def _is_int(x) -> bool:
 
 def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the output's text; the grammar is compiled by the engine, not here, so
+    only the kind and the types are checked."""
+
+    kind: str
+    """One of STRUCTURED_KINDS."""
+    spec: str
+    """The JSON schema's text (json_schema, tool_call), the EBNF grammar's text (ebnf), "" (json_object)."""
+    name: str = ""
+    """What the request calls it (a json_schema's name), for error messages."""
+
+    def __post_init__(self):
+        if self.kind not in STRUCTURED_KINDS:
+            raise DuokaError(f"structured output kind={self.kind!r} must be one of {', '.join(STRUCTURED_KINDS)}",
+                             'e.g. kind="json_schema" with the schema as spec')
+        for field in ("spec", "name"):
+            if not isinstance(getattr(self, field), str):
+                raise DuokaError(f"structured output {field}={getattr(self, field)!r} must be a string",
+                                 f"give the {field} as text")
+        if self.kind == "json_object" and self.spec:
+            raise DuokaError(f"structured output kind=json_object takes no spec (got {len(self.spec)} characters)",
+                             'leave spec empty, or use kind="json_schema" to give a schema')
+        if self.kind != "json_object" and not self.spec.strip():
+            raise DuokaError(f"structured output kind={self.kind} needs a spec (the {self.kind} text); it is empty",
+                             "give the schema or grammar as spec")
+
+
+def _logit_bias(value) -> tuple[tuple[int, float], ...]:
+    """logit_bias as sorted (token id, bias) pairs: from a dict (JSON's keys are strings) or
+    from pairs (what this function returns, so dataclasses.replace re-checks it unchanged)."""
+    if value is None:
+        return ()
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, (tuple, list)) and all(isinstance(e, (tuple, list)) and len(e) == 2 for e in value):
+        items = [tuple(e) for e in value]
+    else:
+        raise DuokaError(f"logit_bias={value!r} must be a map from token id to bias",
+                         'e.g. logit_bias={"50256": -100}')
+    if len(items) > MAX_LOGIT_BIAS:
+        raise DuokaError(f"logit_bias has {len(items)} entries; at most {MAX_LOGIT_BIAS} are accepted "
+                         "(each goes to the device in every step)", "keep the entries that matter")
+    low, high = LOGIT_BIAS_RANGE
+    pairs = {}
+    for key, bias in items:
+        if isinstance(key, str) and _DECIMAL.fullmatch(key.strip()):
+            token = int(key)
+        elif _is_int(key):
+            token = key
+        else:
+            raise DuokaError(f"logit_bias key {key!r} must be a token id (an integer)",
+                             'give token ids as keys, e.g. {"50256": -100}')
+        if token < 0:
+            raise DuokaError(f"logit_bias key {key!r} is a negative token id", "token ids are >= 0")
+        if token in pairs:
+            raise DuokaError(f"logit_bias names token id {token} twice", "give each token id once")
+        # `nan <= x` is False, so the range test rejects NaN as well as +-inf.
+        if not _is_number(bias) or not low <= bias <= high:
+            raise DuokaError(f"logit_bias[{token}]={bias!r} must be a number in [{low:g}, {high:g}]",
+                             "use -100 to ban a token, +100 to force it, or a value between")
+        pairs[token] = float(bias)
+    return tuple(sorted(pairs.items()))
 
 
 @dataclass(frozen=True)
@@ -55,6 +132,19 @@ class SamplingParams:
     """None: off; k >= 0: the sampled token's logprob and the k most likely alternatives."""
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    """vLLM's and transformers': a token that occurs in the prompt or the output so far has
+    its logit divided by it if positive, multiplied if not; > 0, 1 = off."""
+    min_p: float = 0.0
+    """After temperature, drop the tokens less likely than min_p times the most likely; [0, 1], 0 = off."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """OpenAI's map token id -> bias in [-100, 100], added to the raw logits. Given as a dict
+    (int or decimal-string keys), stored as sorted (id, bias) pairs so the params stay hashable."""
+    min_tokens: int = 0
+    """Until this many tokens are generated, the stop token ids (eos unless ignore_eos, and
+    stop_token_ids) cannot be sampled; [0, max_tokens]."""
+    structured: StructuredOutput | None = None
+    """A constraint on the text (JSON, a JSON schema, a grammar); None = free text."""
 
     def __post_init__(self):
         # Lists are accepted (JSON has no tuples) and stored as tuples so the params stay
@@ -70,7 +160,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.top_k == -1:  # vLLM's spelling of "off"
             object.__setattr__(self, "top_k", 0)
-        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
             value = getattr(self, name)
             if not _is_number(value):
                 raise DuokaError(f"{name}={value!r} must be a number", f"give {name} as a number")
@@ -117,6 +208,24 @@ class SamplingParams:
             if not low <= value <= high:  # also rejects NaN
                 raise DuokaError(f"{name}={value} must be in [{low:g}, {high:g}]",
                                  "use 0 for no penalty; positive values discourage repeating tokens")
+        self._check_processing()
+
+    def _check_processing(self):
+        """The fields that change the logits beyond temperature and truncation, and structured."""
+        # 0 would divide by zero and a negative one would flip signs; inf makes every seen token
+        # -inf or 0, NaN everything NaN.
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise DuokaError(f"repetition_penalty={self.repetition_penalty} must be a finite number > 0",
+                             "use 1 for no penalty; values above 1 (e.g. 1.1) discourage repeating tokens")
+        if not 0 <= self.min_p <= 1:  # also rejects NaN
+            raise DuokaError(f"min_p={self.min_p} must be in [0, 1]",
+                             "use 0 to disable min-p, or e.g. 0.05")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise DuokaError(f"min_tokens={self.min_tokens!r} must be an integer in [0, max_tokens={self.max_tokens}]",
+                             "lower min_tokens, or raise max_tokens")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise DuokaError(f"structured={self.structured!r} must be a StructuredOutput or None",
+                             'e.g. StructuredOutput("json_object", "")')
 
     @property
     def greedy(self) -> bool:
@@ -124,7 +233,8 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0
+        """Any of presence, frequency or repetition penalty: the sampler then counts the output."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 @dataclass

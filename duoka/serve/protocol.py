@@ -11,8 +11,9 @@ that the `openai` client and `vllm bench serve` work unmodified:
 
 Unknown extra fields are accepted and ignored, as OpenAI-compatible servers do; known
 fields are validated strictly (a string where a number belongs is a 400, not coerced), and
-known fields whose non-default values duoka cannot honour (n > 1, tools, echo, ...) are a
-400 rather than a silent difference.
+known fields whose non-default values duoka cannot honour (suffix, beam search, ...) are a
+400 rather than a silent difference. PARAMETERS lists every field with what duoka does with
+it; docs/serving.md's table of OpenAI parameters is generated from it.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ LOGPROB_FLOOR = -9999.0
 # JSON token ids or as text; past this a body is refused (413) before it is parsed or
 # tokenized, so one client cannot make the server hold and parse gigabytes.
 MAX_BODY_BYTES = 16 * 2**20
+# The most choices one request may ask for: each is a sequence of its own in the batch, so n
+# multiplies a request's share of the engine (OpenAI allows 128; vLLM sets no bound).
+MAX_CHOICES = 16
 
 
 # ---------------------------------------------------------------- errors
@@ -89,6 +93,20 @@ class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+class JsonSchemaFormat(_Body):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # `schema` would shadow BaseModel's
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class CommonRequest(_Body):
@@ -103,17 +121,17 @@ class CommonRequest(_Body):
     ignore_eos: bool = False
     presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    logit_bias: dict[str, float] | None = None
+    repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)  # vLLM's
+    min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    response_format: ResponseFormat | None = None
     # Known fields whose non-default values duoka does not implement: refused, not ignored.
-    min_tokens: int = Field(0, ge=0)
-    logit_bias: dict[str, Any] | None = None
-    tools: list[Any] | None = None
     use_beam_search: bool = False
-    repetition_penalty: float | None = None  # vLLM's; `vllm bench serve` sends 1.0, which changes nothing
-    min_p: float | None = None
 
 
 class ChatRequest(CommonRequest):
@@ -121,6 +139,9 @@ class ChatRequest(CommonRequest):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # several <tool_call> blocks are parsed either way
 
 
 class CompletionRequest(CommonRequest):
@@ -133,17 +154,14 @@ class CompletionRequest(CommonRequest):
 
 def refuse_unsupported(body: CommonRequest) -> None:
     """A 400 for a field duoka cannot honour, rather than an answer that silently differs."""
-    if body.n > 1:
-        raise ApiError(400, f"n={body.n}: n>1 is not supported yet; send n separate requests (each with its own seed)",
-                       param="n")
-    unsupported = [("min_tokens", body.min_tokens > 0), ("logit_bias", bool(body.logit_bias)),
-                   ("tools", bool(body.tools)), ("use_beam_search", body.use_beam_search),
-                   ("repetition_penalty", body.repetition_penalty not in (None, 1.0)), ("min_p", bool(body.min_p))]
+    unsupported = [("use_beam_search", body.use_beam_search)]
     if isinstance(body, CompletionRequest):
-        unsupported += [("echo", body.echo), ("suffix", bool(body.suffix)), ("best_of", (body.best_of or 1) > 1)]
+        # best_of = n asks for nothing more than n; more would need choices ranked and dropped.
+        unsupported += [("echo", body.echo), ("suffix", bool(body.suffix)),
+                        ("best_of", body.best_of is not None and body.best_of != body.n)]
     for name, asked in unsupported:
         if asked:
-            raise ApiError(400, f"{name} is not supported by duoka serve yet; leave it out of the request", param=name)
+            raise ApiError(400, f"{name} is not supported by duoka serve; leave it out of the request", param=name)
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
 
@@ -169,15 +187,20 @@ def chat_message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
     out = {"role": "system" if message.role == "developer" else message.role, "content": content}
     if message.name is not None:
         out["name"] = message.name
+    if message.tool_calls is not None:  # serve.tool_calls.template_messages shapes them for the template
+        out["tool_calls"] = message.tool_calls
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
     return out
 
 
 # ---------------------------------------------------------------- response parts
-def usage_body(out: RequestOutput) -> dict:
-    """A request's usage object, from its last output."""
-    return {"prompt_tokens": out.num_prompt_tokens, "completion_tokens": out.num_output_tokens,
-            "total_tokens": out.num_prompt_tokens + out.num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+def usage_body(lasts: list[RequestOutput]) -> dict:
+    """A request's usage object, from each choice's last output: the prompt counted once (the
+    choices share it), the completions summed."""
+    prompt, completion = lasts[0].num_prompt_tokens, sum(out.num_output_tokens for out in lasts)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": lasts[0].num_cached_tokens}}
 
 
 def finite(value: float) -> float:

@@ -19,6 +19,7 @@ import torch
 from duoka.errors import DuokaError
 from duoka.models import paged_decode
 from duoka.models.qwen2.model import Qwen2
+from duoka.models.qwen2.multi_lora import adapter_ids_of
 from duoka.models.qwen2.paged import PagedBatch
 from duoka.serve.scheduler import ScheduledItem
 
@@ -41,25 +42,33 @@ class StepInputs:
     num_decodes: int  # the first num_decodes sequences take one token each (decode_first order)
     max_context_len: int
     prefill_context: int  # context tokens of the sequences after the decodes, in all
+    # int32 [T]: each token's LoRA adapter slot (0: the base model); None when every token is
+    # the base model's (always without --lora: then a step carries and computes nothing more).
+    adapter_ids: torch.Tensor | None = None
 
-    def sizes(self) -> tuple[int, int, int, int]:
-        """(T, B, max_blocks, S): every array's shape follows from these (array_shapes)."""
+    def sizes(self) -> tuple[int, int, int, int, int]:
+        """(T, B, max_blocks, S, A), A = T with adapter_ids, else 0: every array's shape follows
+        from these (array_shapes)."""
         b, max_blocks = self.block_tables.shape
-        return self.token_ids.numel(), b, max_blocks, self.logits_indices.numel()
+        t = self.token_ids.numel()
+        return t, b, max_blocks, self.logits_indices.numel(), 0 if self.adapter_ids is None else t
 
     def packed(self) -> torch.Tensor:
         """The arrays back to back as one int32 tensor, the form in which they travel (to the
         device, to the other tensor-parallel ranks): every value is a token id, a position, a
-        length or a block or slot index, none near 2^31, and int32 halves the bytes."""
-        return torch.cat([getattr(self, name).reshape(-1).to(torch.int32) for name in ARRAY_DTYPES])
+        length, an adapter slot or a block or slot index, none near 2^31, and int32 halves the bytes."""
+        return torch.cat([array.reshape(-1).to(torch.int32) for name in ARRAY_DTYPES
+                          if (array := getattr(self, name)) is not None])
 
     @classmethod
-    def unpack(cls, packed: torch.Tensor, sizes: tuple[int, int, int, int], scalars: dict[str, int]) -> StepInputs:
+    def unpack(cls, packed: torch.Tensor, sizes: tuple[int, ...], scalars: dict[str, int]) -> StepInputs:
         """The inverse of packed(), on packed's device."""
         shapes = array_shapes(*sizes)
         parts = packed.split([math.prod(shape) for shape in shapes])
         arrays = {name: part.view(shape).to(dtype)
                   for (name, dtype), part, shape in zip(ARRAY_DTYPES.items(), parts, shapes)}
+        if not sizes[4]:
+            arrays["adapter_ids"] = None
         return cls(**arrays, **scalars)
 
     def scalars(self) -> dict[str, int]:
@@ -76,13 +85,15 @@ class StepInputs:
 # StepInputs' arrays with their dtypes (PagedBatch's), in packing order, and its integers.
 ARRAY_DTYPES = {"token_ids": torch.int64, "positions": torch.int64, "slot_mapping": torch.int64,
                 "block_tables": torch.int32, "context_lens": torch.int32, "query_start": torch.int32,
-                "logits_indices": torch.int64}
+                "logits_indices": torch.int64, "adapter_ids": torch.int32}
 SCALARS = ("max_query_len", "num_decodes", "max_context_len", "prefill_context")
+NUM_SIZES = 5  # len(StepInputs.sizes())
 
 
-def array_shapes(t: int, b: int, max_blocks: int, s: int) -> list[tuple[int, ...]]:
-    """The arrays' shapes, in ARRAY_DTYPES' order, for T tokens, B sequences and S logits rows."""
-    return [(t,), (t,), (t,), (b, max_blocks), (b,), (b + 1,), (s,)]
+def array_shapes(t: int, b: int, max_blocks: int, s: int, a: int) -> list[tuple[int, ...]]:
+    """The arrays' shapes, in ARRAY_DTYPES' order, for T tokens, B sequences, S logits rows
+    and A adapter slots (T or 0)."""
+    return [(t,), (t,), (t,), (b, max_blocks), (b,), (b + 1,), (s,), (a,)]
 
 
 def decode_first(items: list[ScheduledItem]) -> list[ScheduledItem]:
@@ -126,6 +137,13 @@ def prepare_inputs(items: list[ScheduledItem], block_size: int) -> StepInputs:
     context = starts + num_new
     sample = np.array([item.sample for item in items], dtype=bool)
     is_prefill = num_new != 1
+    # Only a step with some adapter's request carries adapter slots (a base-only step, and
+    # every step without --lora, pays for this one scan).
+    adapters = [seq.adapter for seq in seqs]
+    adapter_ids = None
+    if any(adapters):
+        per_seq = np.array(adapters, dtype=np.int32)
+        adapter_ids = torch.from_numpy(per_seq if max_query_len == 1 else per_seq[rows])
     return StepInputs(
         token_ids=torch.from_numpy(tokens),
         positions=torch.from_numpy(positions),
@@ -138,6 +156,7 @@ def prepare_inputs(items: list[ScheduledItem], block_size: int) -> StepInputs:
         num_decodes=n - int(is_prefill.sum()),
         max_context_len=int(context.max()),
         prefill_context=int(context[is_prefill].sum()),
+        adapter_ids=adapter_ids,
     )
 
 
@@ -199,6 +218,9 @@ class ModelRunner:
         self.max_blocks = -(-max_model_len // shape.block_size)
         self.max_model_len = max_model_len
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # Served LoRA adapters (duoka.models.qwen2.multi_lora): the per-token slots every
+        # adapted projection reads, set before each forward. None without --lora.
+        self.adapter_ids = adapter_ids_of(model)
         if cuda_graphs and self.backend == "cuda":
             self._capture([b for b in GRAPH_BUCKETS if b <= max_num_seqs] or [1])
 
@@ -214,6 +236,13 @@ class ModelRunner:
         if self.graphs and inputs.num_decodes == n and n <= max(self.graphs):
             return self._replay(inputs)
         x = inputs.to(self.device)
+        if self.adapter_ids is not None:
+            ids = x.adapter_ids
+            if ids is None:  # a base-only step
+                ids = torch.zeros(len(x.token_ids), dtype=torch.int32, device=self.device)
+            elif not ids.is_inference():  # a host step's own array (CPU): an inference tensor as the zeros
+                ids = ids.clone()  # are, or a compiled block would be compiled once for each kind
+            self.adapter_ids.use(ids)
         splits = paged_decode.num_splits(x.num_decodes, self.shape.kv_heads, x.max_context_len) if x.num_decodes else 1
         return self.model(x.token_ids[None], positions=x.positions, paged=self._batch(x, splits)).float()
 
@@ -231,10 +260,13 @@ class ModelRunner:
             context_lens=torch.ones(size, dtype=torch.int32, device=self.device),
             query_start=torch.arange(size + 1, dtype=torch.int32, device=self.device),
             logits_indices=torch.arange(size, **long), max_query_len=1, num_decodes=size,
-            max_context_len=self.max_model_len, prefill_context=0)
+            max_context_len=self.max_model_len, prefill_context=0,
+            adapter_ids=None if self.adapter_ids is None else torch.zeros(size, dtype=torch.int32, device=self.device))
         pool = None
         for bucket in sorted(buckets, reverse=True):
             batch = self._bucket_batch(bucket)
+            if self.adapter_ids is not None:  # the graph reads its slots from the static buffer
+                self.adapter_ids.use(self._static.adapter_ids[:bucket])
             tokens, positions = self._static.token_ids[None, :bucket], self._static.positions[:bucket]
             self.model(tokens, positions=positions, paged=batch)  # compiles the kernels outside the capture
             graph = torch.cuda.CUDAGraph()
@@ -261,6 +293,12 @@ class ModelRunner:
         s.slot_mapping[:n].copy_(x.slot_mapping)
         s.context_lens[:n].copy_(x.context_lens)
         s.block_tables[:n, :x.block_tables.shape[1]].copy_(x.block_tables)
+        if s.adapter_ids is not None:
+            # Padding rows keep stale slots: their outputs are dropped, and no row reads another's.
+            if x.adapter_ids is not None:
+                s.adapter_ids[:n].copy_(x.adapter_ids)
+            else:
+                s.adapter_ids[:n].zero_()
         # Padding rows: one token of context in the scratch block, written to the scratch block.
         s.slot_mapping[n:bucket].fill_(self.scratch_block * self.shape.block_size)
         s.context_lens[n:bucket].fill_(1)

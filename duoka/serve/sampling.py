@@ -1,8 +1,19 @@
 """Batched sampling on the device, each row with its own SamplingParams.
 
-Order (as OpenAI and vLLM): presence/frequency penalties on the raw logits -> logprobs
-from log_softmax of the penalised logits (vLLM's default "raw" logprobs, before
-temperature) -> temperature -> top-k -> top-p -> an exponential race.
+Order (as vLLM): token masks (structured output) -> logit_bias -> min_tokens (stop ids
+blocked) -> penalties (repetition, then frequency and presence) -> logprobs from
+log_softmax of the processed logits (before temperature, as vLLM's "raw" logprobs after
+its logits processors) -> temperature -> min-p -> top-k -> top-p -> an exponential race.
+Greedy rows take the argmax of the processed logits: masks, bias, min_tokens and penalties
+apply to them too. Each stage runs only when some row of the batch asks for it (checked on
+the host), so rows that ask for none of them pay nothing.
+
+No row ends with every token at -inf (which would give NaN logprobs and a meaningless
+draw): a mask that allows no token of the vocabulary is ignored for its row, and min_tokens
+leaves the blocked ids to a row whose other tokens are all masked (a grammar that can only
+end now). Then bias and penalties keep finite values finite, and min-p, top-k and top-p
+always keep the most likely token. So a row picks a disallowed token only where every token
+is disallowed.
 
 The race: argmax_i p_i / E_i with E_i ~ Exp(1) independent is a draw from p (the
 Gumbel-max trick in another form), and needs no host synchronisation, unlike
@@ -19,8 +30,10 @@ tensor read with one `.tolist()`.
 
 from __future__ import annotations
 
+import math
 from array import array
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -101,6 +114,41 @@ class SampleRow:
     """How many tokens this request has generated so far: step i's noise depends only on (seed, i)."""
     output_ids: list[int]
     """The request's generated tokens (read for penalties only)."""
+    prompt_ids: Sequence[int] = ()
+    """The request's prompt (read for repetition_penalty only)."""
+    blocked_ids: Sequence[int] = ()
+    """The ids that cannot be sampled while output_index < params.min_tokens: the stop ids
+    (the engine's eos unless ignore_eos, and stop_token_ids). Ids beyond the logits are skipped."""
+    # Fixed for the request's life, so built once, not every step (a long prompt, 1024 biases):
+    prompt_seen: array = field(init=False, repr=False)
+    """The prompt's distinct ids, when repetition_penalty is on."""
+    bias_ids: array = field(init=False, repr=False)
+    bias_values: array = field(init=False, repr=False)
+
+    def __post_init__(self):
+        params = self.params
+        self.prompt_seen = array("q", sorted(set(self.prompt_ids)) if params.repetition_penalty != 1 else ())
+        self.bias_ids = array("q", (t for t, _ in params.logit_bias))
+        self.bias_values = array("f", (b for _, b in params.logit_bias))
+
+
+@dataclass(frozen=True)
+class TokenMasks:
+    """The tokens that constrained rows may take (structured output), in xgrammar's bitmask
+    format: bit j of word w of a row allows token 32 * w + j. Bits for ids beyond the logits'
+    width are ignored; a logits row wider than 32 * words has its remaining tokens disallowed."""
+
+    rows: list[int]
+    """Indices into the step's rows (and logits rows) that are constrained, each at most once."""
+    bits: torch.Tensor
+    """int32 [len(rows), words], on the host (uploaded without a sync) or already on the device."""
+
+    def __post_init__(self):
+        if self.bits.dtype != torch.int32 or self.bits.dim() != 2 or self.bits.shape[0] != len(self.rows):
+            raise ValueError(f"mask bits {self.bits.dtype} {tuple(self.bits.shape)} must be int32 "
+                             f"[{len(self.rows)} rows, words]")
+        if len(set(self.rows)) != len(self.rows):
+            raise ValueError(f"mask rows {self.rows} name a row twice")
 
 
 @dataclass
@@ -119,6 +167,17 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def _flat_index(ids: array, lengths: list[int], V: int, device: torch.device) -> torch.Tensor:
+    """Positions in a flattened [S, V] tensor: row r's lengths[r] ids, one after another in
+    `ids`, become r * V + id. The ids go up flat (array.extend and frombuffer: ~20x faster than
+    torch.tensor of nested lists), each row's count of them alongside."""
+    flat = _to_device(torch.frombuffer(ids, dtype=torch.int64), device)
+    # output_size spares repeat_interleave the host sync that would size its output.
+    row = torch.arange(len(lengths), device=device).repeat_interleave(_upload(lengths, torch.int64, device),
+                                                                      output_size=len(ids))
+    return row.mul_(V).add_(flat)
 
 
 class PendingSample:
@@ -164,23 +223,22 @@ class Sampler:
             self._arange = torch.arange(vocab, device=device)[None]
         return self._arange
 
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SampleResult:
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow], masks: TokenMasks | None = None) -> SampleResult:
         """logits [S, V] (fp32, one row per entry of `rows`) -> a token per row, and the
-        logprobs of the rows that ask for them."""
-        return self.launch(logits, rows).result()
+        logprobs of the rows that ask for them. masks: the allowed tokens of constrained rows."""
+        return self.launch(logits, rows, masks).result()
 
     @torch.inference_mode()
-    def launch(self, logits: torch.Tensor, rows: list[SampleRow]) -> PendingSample:
+    def launch(self, logits: torch.Tensor, rows: list[SampleRow], masks: TokenMasks | None = None) -> PendingSample:
         """sample()'s device work, queued without waiting for it: the host may do other work
         (the previous step's text) until PendingSample.result()."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits {tuple(logits.shape)} do not match {len(rows)} rows")
-        logits = logits.float()
+        if masks is not None and not all(0 <= i < len(rows) for i in masks.rows):
+            raise ValueError(f"mask rows {masks.rows} are not all rows of this step's {len(rows)}")
         device = logits.device
         params = [r.params for r in rows]
-
-        if any(p.has_penalties for p in params):
-            logits = self._penalise(logits, rows)
+        logits = self._process(logits, rows, masks)
 
         greedy = [p.greedy for p in params]
         if all(greedy):
@@ -204,33 +262,121 @@ class Sampler:
                 packed += [top_values.double().flatten(), top_ids.double().flatten()]
         return PendingSample(torch.cat(packed), [p.logprobs for p in params], want, top_k)
 
+    def _process(self, logits: torch.Tensor, rows: list[SampleRow], masks: TokenMasks | None) -> torch.Tensor:
+        """Masks -> logit_bias -> min_tokens -> penalties, each only if a row of the batch asks
+        for it. Returns fp32 logits; the caller's tensor is never written."""
+        params = [r.params for r in rows]
+        masked = masks is not None and len(masks.rows) > 0
+        biased = any(p.logit_bias for p in params)
+        blocking = [i for i, r in enumerate(rows) if r.blocked_ids and r.output_index < r.params.min_tokens]
+        # The first three stages write in place, so on a copy; without them, no copy at all.
+        logits = logits.to(torch.float32, copy=masked or biased or bool(blocking))
+        if masked:
+            self._mask(logits, masks)
+        if biased:
+            self._add_bias(logits, rows)
+        if blocking:
+            self._block(logits, rows, blocking)
+        if any(p.has_penalties for p in params):
+            logits = self._penalise(logits, rows)
+        return logits
+
+    def _mask(self, logits: torch.Tensor, masks: TokenMasks) -> None:
+        """Disallowed tokens of the constrained rows -> -inf, in place; the other rows untouched.
+        A row whose mask allows no token of the vocabulary keeps its logits: nothing can satisfy
+        that mask, and a row all -inf would give NaN (the module docstring)."""
+        V = logits.shape[1]
+        device = logits.device
+        index = _upload(masks.rows, torch.int64, device)
+        bits = masks.bits if masks.bits.device == device else _to_device(masks.bits, device)
+        shifts = torch.arange(32, dtype=torch.int32, device=device)
+        # Bit j of word w is token 32 * w + j; & 1 after the (arithmetic) shift reads bit 31 too.
+        allowed = (bits[:, :, None] >> shifts).bitwise_and_(1).view(len(masks.rows), -1).bool()
+        if allowed.shape[1] >= V:
+            allowed = allowed[:, :V]
+        else:  # a narrower mask disallows the rest of the row
+            allowed = torch.cat([allowed, allowed.new_zeros(len(masks.rows), V - allowed.shape[1])], dim=1)
+        allowed.logical_or_(~allowed.any(dim=1, keepdim=True))
+        rows = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))
+        logits.index_copy_(0, index, rows)
+
+    def _add_bias(self, logits: torch.Tensor, rows: list[SampleRow]) -> None:
+        """OpenAI's logit_bias: each (id, bias) of a row added to its raw logit, in place."""
+        V = logits.shape[1]
+        device = logits.device
+        ids, values, lengths = array("q"), array("f"), []
+        for r in rows:
+            # The admission checks the ids against the vocabulary (RequestLimits.check); beyond
+            # the row, an id would land in the next row's logits, so it is refused here too.
+            if r.bias_ids and r.bias_ids[-1] >= V:  # sorted: the last is the largest
+                raise ValueError(f"logit_bias token id {r.bias_ids[-1]} is beyond the {V} logits")
+            ids.extend(r.bias_ids)
+            values.extend(r.bias_values)
+            lengths.append(len(r.bias_ids))
+        flat = _flat_index(ids, lengths, V, device)
+        logits.view(-1).index_add_(0, flat, _to_device(torch.frombuffer(values, dtype=torch.float32), device))
+
+    def _block(self, logits: torch.Tensor, rows: list[SampleRow], blocking: list[int]) -> None:
+        """min_tokens: the blocked ids of the rows in `blocking` -> -inf, in place, except in a
+        row where nothing else is left (a mask that allows only them): there they stay."""
+        V = logits.shape[1]
+        device = logits.device
+        ids, lengths = array("q"), []
+        for i in blocking:
+            blocked = [t for t in rows[i].blocked_ids if t < V]  # a stop id beyond the logits is never sampled
+            ids.extend(blocked)
+            lengths.append(len(blocked))
+        if not ids:
+            return
+        index = _upload(blocking, torch.int64, device)
+        token = _to_device(torch.frombuffer(ids, dtype=torch.int64), device)
+        # Each entry's row among the blocking rows; its position there and in the whole logits.
+        entry_row = torch.arange(len(blocking), device=device).repeat_interleave(
+            _upload(lengths, torch.int64, device), output_size=len(ids))
+        local = entry_row * V + token
+        flat = index.index_select(0, entry_row).mul_(V).add_(token)
+        sub = logits.index_select(0, index)
+        sub.view(-1).index_fill_(0, local, float("-inf"))
+        kept = sub.amax(dim=1) > float("-inf")  # the row has a token left besides the blocked ones
+        old = logits.view(-1).index_select(0, flat)
+        logits.view(-1).index_copy_(0, flat, old.masked_fill_(kept.index_select(0, entry_row), float("-inf")))
+
     def _penalise(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """OpenAI's formula: logit - presence * (count > 0) - frequency * count, with count the
-        times the token occurs in this request's output so far."""
+        """Repetition penalty (vLLM's and transformers': a token in the prompt or the output so
+        far has its logit divided by p if > 0, else multiplied by p), then OpenAI's formula:
+        logit - presence * (count > 0) - frequency * count, with count the times the token occurs
+        in this request's output so far. Rows without penalties send no ids."""
         S, V = logits.shape
         device = logits.device
-        # The ids go up flat (array.extend and frombuffer: ~20x faster than torch.tensor of
-        # nested lists), each row's count of them alongside; rows without penalties send none.
-        ids = array("q")
-        lengths = []
+        out_ids, out_lengths, seen_ids, seen_lengths = array("q"), [], array("q"), []
         for r in rows:
             n = len(r.output_ids) if r.params.has_penalties else 0
-            ids.extend(r.output_ids if n else ())
-            lengths.append(n)
-        if not ids:
+            out_ids.extend(r.output_ids if n else ())
+            out_lengths.append(n)
+            seen_ids.extend(r.prompt_seen)  # empty unless the row has a repetition penalty
+            seen_lengths.append(len(r.prompt_seen))
+        counts = None
+        if out_ids:
+            counts = torch.zeros(S, V, device=device)
+            counts.view(-1).index_add_(0, _flat_index(out_ids, out_lengths, V, device),
+                                       torch.ones(len(out_ids), device=device))
+        params = [r.params for r in rows]
+        if any(p.repetition_penalty != 1 for p in params) and (counts is not None or seen_ids):
+            seen = counts > 0 if counts is not None else torch.zeros(S, V, dtype=torch.bool, device=device)
+            if seen_ids:
+                seen.view(-1).index_fill_(0, _flat_index(seen_ids, seen_lengths, V, device), True)
+            # Division, not multiplication by 1 / p: the same rounding as transformers and vLLM.
+            p = _upload([[q.repetition_penalty] for q in params], torch.float32, device)
+            logits = torch.where(seen, torch.where(logits > 0, logits / p, logits * p), logits)
+        if counts is None or not any(p.presence_penalty or p.frequency_penalty for p in params):
             return logits
-        flat = _to_device(torch.frombuffer(ids, dtype=torch.int64), device)
-        # output_size spares repeat_interleave the host sync that would size its output.
-        row = torch.arange(S, device=device).repeat_interleave(_upload(lengths, torch.int64, device), output_size=len(ids))
-        counts = torch.zeros(S, V, device=device)
-        counts.view(-1).index_add_(0, row.mul_(V).add_(flat), torch.ones(len(ids), device=device))
-        coefs = _upload([[r.params.presence_penalty, r.params.frequency_penalty] for r in rows], torch.float32, device)
+        coefs = _upload([[p.presence_penalty, p.frequency_penalty] for p in params], torch.float32, device)
         penalised = logits - coefs[:, 1:] * counts
         return penalised.sub_(coefs[:, :1] * (counts > 0))
 
     def _race(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """Temperature, top-k, top-p and the exponential race for every row (greedy rows take a
-        dummy temperature of 1 and are replaced by the caller)."""
+        """Temperature, min-p, top-k, top-p and the exponential race for every row (greedy rows
+        take a dummy temperature of 1 and are replaced by the caller)."""
         V = logits.shape[1]
         device = logits.device
         params = [r.params for r in rows]
@@ -243,6 +389,11 @@ class Sampler:
         # In-place steps below: each [S, V] temporary is a large allocation at a big batch.
         scaled = logits.sub(logits.amax(dim=-1, keepdim=True))
         scaled.div_(temps.clamp_min(torch.finfo(torch.float32).tiny)[:, None])
+        # min-p: p_i < min_p * p_max, with p_i / p_max = exp(scaled_i) since the row's max is 0
+        # now, is scaled_i < log(min_p); no softmax needed. The most likely token (0) stays.
+        min_p = [math.log(p.min_p) if p.min_p > 0 and not p.greedy else float("-inf") for p in params]
+        if any(m != float("-inf") for m in min_p):
+            scaled.masked_fill_(scaled < _upload([[m] for m in min_p], torch.float32, device), float("-inf"))
         if all(k == V for k in top_k) and all(p == float("inf") for p in top_p):
             return _noise_fn(device)(keys, self._vocab_ids(V, device)).neg_().add_(scaled).argmax(dim=-1)
 

@@ -12,7 +12,9 @@ The policy is vLLM v1's, first come first served, under one token budget per ste
 2. Then, unless a preemption happened this step (blocks are short: admitting would only
    thrash), waiting sequences in arrival order while the budget, max_num_seqs and the free
    blocks last. A prompt longer than the remaining budget is chunked. The head of the queue
-   that does not get blocks stops admission: nobody overtakes it, so nobody starves.
+   that does not get blocks stops admission: nobody overtakes it, so nobody starves. So does
+   a head whose sibling (Sequence.after: another choice of an n > 1 request) has not computed
+   their shared prompt yet: admitted a step later, it finds the prompt's blocks cached.
 
 Termination: the engine refuses a request that could not fit in the whole cache on its own
 (add() asserts it), and the first running sequence is never preempted by a later one, so
@@ -54,9 +56,10 @@ class Sequence:
 
     __slots__ = ("request_id", "prompt_ids", "output_ids", "all_ids", "params", "status", "block_table",
                  "block_array", "num_computed", "num_cached_tokens", "arrival", "finish_reason", "num_preemptions",
-                 "block_hashes", "num_registered_blocks")
+                 "block_hashes", "num_registered_blocks", "adapter", "after")
 
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float | None = None):
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float | None = None,
+                 adapter: int = 0, after: Sequence | None = None):
         assert len(prompt_ids) >= 1, "a request has at least one prompt token"
         self.request_id = request_id
         self.prompt_ids = list(prompt_ids)
@@ -73,6 +76,10 @@ class Sequence:
         self.num_preemptions = 0
         self.block_hashes: list[bytes] = []  # BlockManager's: hashes of the full blocks of all_ids
         self.num_registered_blocks = 0  # BlockManager's: leading table blocks already cached
+        self.adapter = adapter  # the LoRA adapter this request runs with: 0 = the base model
+        # A sibling (another choice of the same request, n > 1) whose prompt this one shares: it
+        # is admitted only once that prompt is in the cache, to reuse its blocks, not compute them twice.
+        self.after = after
 
     @property
     def num_tokens(self) -> int:
@@ -93,6 +100,11 @@ class Sequence:
     def __repr__(self):
         return (f"Sequence({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
                 f"output={self.num_output_tokens}, computed={self.num_computed}, blocks={len(self.block_table)})")
+
+
+def _prompt_pending(seq: Sequence) -> bool:
+    """Whether seq, unfinished, has not yet computed its whole prompt (a sibling waits for it)."""
+    return seq.status is not SeqStatus.FINISHED and seq.num_computed < seq.num_prompt_tokens
 
 
 @dataclass(slots=True)
@@ -204,6 +216,10 @@ class Scheduler:
             return batch
         while self.waiting and budget > 0 and len(running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq.after is not None:
+                if _prompt_pending(seq.after):
+                    break  # FCFS: its sibling's prompt lands in a step or two; then it reuses its blocks
+                seq.after = None
             num_new = bm.allocate(seq, budget)
             if num_new == 0:
                 break  # FCFS: the head waits for blocks; nobody overtakes it

@@ -28,6 +28,7 @@ from duoka.host.ports import port_is_free
 from duoka.serve.api import build_app
 from duoka.serve.async_engine import AsyncEngine, Draining
 from duoka.serve.config import DEFAULT_GRACE_S, DEFAULT_HOST, DEFAULT_MAX_QUEUE, DEFAULT_PORT
+from duoka.serve.http_middleware import check_origins
 from duoka.serve.server_metrics import ServeMetrics
 
 # vLLM logs its stats line every 5 s.
@@ -46,7 +47,8 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 def serve(engine: Any | Callable[[], Any], *, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT,
           api_key: str | None = None, max_queue: int = DEFAULT_MAX_QUEUE, served_model_name: str | None = None,
-          grace_s: float = DEFAULT_GRACE_S, log=_log) -> int:
+          grace_s: float = DEFAULT_GRACE_S, allowed_origins: tuple[str, ...] = (), log_requests: bool = False,
+          log=_log) -> int:
     """Serve `engine` (an LLMEngine, or a no-argument callable that builds one) over HTTP until
     SIGTERM/SIGINT; returns 0 after a drain. The engine is shut down on the way out."""
     if not 0 < port < 65536:
@@ -58,6 +60,7 @@ def serve(engine: Any | Callable[[], Any], *, host: str = DEFAULT_HOST, port: in
         raise DuokaError(f"--max-queue {max_queue} must be at least 1", f"e.g. --max-queue {DEFAULT_MAX_QUEUE}")
     if grace_s < 0:
         raise DuokaError(f"the drain grace period {grace_s} s is negative", f"e.g. {DEFAULT_GRACE_S:g} s")
+    allowed_origins = check_origins(allowed_origins)
     if api_key is None and host not in LOOPBACK_HOSTS:
         log(f"duoka: warning: --host {host} listens beyond this machine and no --api-key is set: anyone who can reach "
             f"port {port} can use the model; add --api-key KEY (or set DUOKA_API_KEY)")
@@ -68,7 +71,8 @@ def serve(engine: Any | Callable[[], Any], *, host: str = DEFAULT_HOST, port: in
         async_engine = AsyncEngine(engine, max_queue, ServeMetrics(name), log=log)
         try:
             app = build_app(async_engine, engine.tokenizer, name, engine.max_model_len, engine.default_params,
-                            api_key=api_key)
+                            api_key=api_key, adapters=tuple(engine.loras), allowed_origins=allowed_origins,
+                            log_requests=log_requests, log=log)
             config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                                     lifespan="off", timeout_graceful_shutdown=UVICORN_SHUTDOWN_S)
             stats = engine.stats()

@@ -20,10 +20,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from duoka.serve.runner import SCALARS, StepInputs, array_shapes
+from duoka.serve.runner import NUM_SIZES, SCALARS, StepInputs, array_shapes
 
 STEP, SHUTDOWN = 1, 2  # header[0]
-# header: command, T, B, max_blocks, S (StepInputs.sizes), then StepInputs' SCALARS; the rest is spare room, so a new
+# header: command, T, B, max_blocks, S, A (StepInputs.sizes), then StepInputs' SCALARS; the rest is spare room, so a new
 # scalar does not change the message's size.
 HEADER_LEN = 16
 # A server may sit idle for weeks; its other ranks wait for the next step all that time.
@@ -65,8 +65,8 @@ def receive_step(group: dist.ProcessGroup | None) -> StepInputs | None:
     device = _transport(group)
     header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
     dist.broadcast(header, group=group, group_src=0)
-    command, *sizes = header[:5].tolist()
-    scalars = dict(zip(SCALARS, header[5:5 + len(SCALARS)].tolist()))
+    command, *sizes = header[:1 + NUM_SIZES].tolist()
+    scalars = dict(zip(SCALARS, header[1 + NUM_SIZES:1 + NUM_SIZES + len(SCALARS)].tolist()))
     if command == SHUTDOWN:
         return None
     if command != STEP:

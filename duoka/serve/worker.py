@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -30,13 +31,14 @@ from duoka.hub import bundled_model_dir, resolve_model_dir
 from duoka.models.qwen2.args import ModelOptions
 from duoka.models.qwen2.hf_adapter import load_hf_model, read_config
 from duoka.models.qwen2.model import Qwen2
+from duoka.models.qwen2.multi_lora import ServedLoRA, add_loras, read_lora
 from duoka.models.qwen2.peft import merge_adapter
 from duoka.serve.config import EngineConfig
 from duoka.serve.params import MAX_LOGPROBS, SamplingParams
 from duoka.serve.runner import CacheShape, ModelRunner, StepInputs, available_kv_bytes, cache_shape
-from duoka.serve.sampling import PendingSample, Sampler, SampleRow
+from duoka.serve.sampling import PendingSample, Sampler, SampleRow, TokenMasks
 from duoka.serve.step_channel import broadcast_step, step_group, worker_loop
-from duoka.serve.tp_shard import check_tp_size, load_tp_model, local_kv_heads
+from duoka.serve.tp_shard import check_tp_size, load_tp_model, local_kv_heads, shard_range
 
 
 class StepRunner(Protocol):
@@ -105,6 +107,10 @@ class Worker:
         if config.adapter is not None and self.tp > 1:
             raise DuokaError("a LoRA adapter with tensor parallelism is not supported yet",
                              "merge it first: duoka export ADAPTER --merge --out DIR, then serve DIR")
+        # The --lora adapters, read (host memory) and checked against the model before anything
+        # loads; handed to the model in _load, then dropped here.
+        self._loras: tuple[ServedLoRA, ...] = tuple(read_lora(name, folder, self.args)
+                                                    for name, folder in config.loras)
         self.log = log
         self.runner_factory = runner_factory
         self.sampler = Sampler()
@@ -151,6 +157,15 @@ class Worker:
         if config.adapter is not None:
             # Before the profile step, the cache sizing and the CUDA graphs: they all see the merged weights.
             merge_adapter(model, config.adapter)
+        if self._loras:
+            # Also before the profile step (it runs their matmuls: the shapes do not depend on the
+            # step's adapters) and the CUDA graphs (they read the slots from a static buffer).
+            # Under tensor parallelism each rank keeps its rows of B, or its columns of A.
+            shard = partial(shard_range, args=self.args, tp=self.tp, rank=self.rank) if self.tp > 1 else None
+            add_loras(model, self._loras, shard)
+            self.log("duoka: LoRA adapters " + ", ".join(f"{lora.name} (rank {lora.rank}, {','.join(lora.targets)})"
+                                                         for lora in self._loras) + " served beside the base")
+            self._loras = ()
         model.requires_grad_(False)  # inference only: nothing compiled traces a backward
         return model
 
@@ -186,10 +201,13 @@ class Worker:
             context_lens=torch.tensor([tokens], dtype=torch.int32), query_start=torch.tensor([0, tokens], dtype=torch.int32),
             logits_indices=torch.arange(tokens - min(tokens, config.max_num_seqs), tokens), max_query_len=tokens,
             num_decodes=0, max_context_len=tokens, prefill_context=tokens)
-        # The sampler's worst case too: every row with top-k and top-p sorts the vocabulary.
-        worst = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, logprobs=MAX_LOGPROBS)
+        # The sampler's worst case too: every row with top-k and top-p sorts the vocabulary, and the
+        # bias and penalties keep a processed copy of the logits beside the model's (the penalties
+        # run only on rows with tokens to count: one of prompt and one of output).
+        worst = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1,
+                               frequency_penalty=0.5, logit_bias={0: 1.0}, logprobs=MAX_LOGPROBS)
         logits = runner.execute(inputs)
-        self.sampler.sample(logits, [SampleRow(worst, 0, 0, []) for _ in range(len(logits))])
+        self.sampler.sample(logits, [SampleRow(worst, 0, 0, [0], [0]) for _ in range(len(logits))])
         del runner
         torch.cuda.synchronize(self.device)
 
@@ -201,9 +219,10 @@ class Worker:
             broadcast_step(inputs, self._steps_group)
         return self.runner.execute(inputs)
 
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> PendingSample:
-        """Rank 0: launch the sampling of `logits`, one row per entry of `rows`, without waiting."""
-        return self.sampler.launch(logits, rows)
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow], masks: TokenMasks | None = None) -> PendingSample:
+        """Rank 0: launch the sampling of `logits`, one row per entry of `rows` (masks: the
+        constrained rows' allowed tokens), without waiting."""
+        return self.sampler.launch(logits, rows, masks)
 
     def run_loop(self) -> None:
         """A rank other than 0: run every step rank 0 sends, until its shutdown()."""

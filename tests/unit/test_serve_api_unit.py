@@ -17,7 +17,8 @@ from fastapi.testclient import TestClient
 from duoka.data.tokenizer import load_tokenizer
 from duoka.errors import DuokaError
 from duoka.hub import bundled_model_dir
-from duoka.serve.api import _Server, build_app
+from duoka.serve.api import build_app
+from duoka.serve.api_responses import Responder
 from duoka.serve.async_engine import AsyncEngine, Draining, EngineError, QueueFull
 from duoka.serve.params import RequestOutput, SamplingParams, TokenLogprob
 from duoka.serve.server_metrics import ServeMetrics
@@ -58,20 +59,25 @@ class FakeEngine:
         self.aborted: list[RequestOutput] = []
         self.abort_calls: list[str] = []
         self.added: list[tuple[str, SamplingParams]] = []
+        self.prompts: list[list[int]] = []
+        self.loras: list[str | None] = []
         self.thread_ids: set[int] = set()
         self.steps = 0
         self.prompt_tokens = self.generation_tokens = 0
+        self.scripted: str | None = None  # when set, every request's output is this text's tokens, then "stop"
 
     def _touch(self):
         self.thread_ids.add(threading.get_ident())
 
-    def add_request(self, request_id, prompt_ids, params):
+    def add_request(self, request_id, prompt_ids, params, lora=None, after=None):
         self._touch()
         if len(prompt_ids) + params.max_tokens > self.max_model_len:
             raise DuokaError("too long for the fake cache", "ask for less")
         self.requests[request_id] = {"prompt": list(prompt_ids), "params": params, "out": [], "text": ""}
         self.order.append(request_id)
         self.added.append((request_id, params))
+        self.prompts.append(list(prompt_ids))
+        self.loras.append(lora)
 
     def abort(self, request_id):
         self._touch()
@@ -103,7 +109,8 @@ class FakeEngine:
             k = len(r["out"])
             if k == 0:
                 self.prompt_tokens += len(r["prompt"])
-            tok = 10 + (sum(r["prompt"]) + k) % 50
+            script = self.tokenizer.encode(self.scripted, add_special_tokens=False) if self.scripted else None
+            tok = script[k] if script else 10 + (sum(r["prompt"]) + k) % 50
             r["out"].append(tok)
             self.generation_tokens += 1
             piece = self.tokenizer.decode([tok])
@@ -117,6 +124,8 @@ class FakeEngine:
                     reason = "stop"
                     break
             r["text"] = text
+            if reason is None and script and len(r["out"]) == len(script):
+                reason = "stop"
             if reason is None and len(r["out"]) >= params.max_tokens:
                 reason = "length"
             lp = None
@@ -342,13 +351,18 @@ BAD_CHAT = [
     ({"top_p": 0}, "top_p"),
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
     ({"stream": "yes"}, "stream"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"stop": ["a", 3]}, "stop"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"min_tokens": 3}, "min_tokens"),
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
 ]
 
 
@@ -626,17 +640,19 @@ def test_a_token_without_text_is_still_an_event(tokenizer):
     steps = [RequestOutput("r", [7], "", None, False, None, 3, 1, 0),
              RequestOutput("r", [8], "ab", None, False, None, 3, 2, 0),
              RequestOutput("r", [9], "", None, True, "length", 3, 3, 0)]
-    server = _Server(None, tokenizer, MODEL, MAX_MODEL_LEN, {})
+    responder = Responder(None, tokenizer, MODEL)
+    base = {"id": "r", "object": "x", "created": 0, "model": MODEL}
 
-    async def events(make):
-        body = b"".join([e if isinstance(e, bytes) else e.encode() async for e in make(Outputs(steps), "r", 0, False,
-                                                                                          False)])
+    async def events(chat: bool):
+        render = (responder._chat_render if chat else responder._completion_render)(base, 0, False, False)
+        body = b"".join([e if isinstance(e, bytes) else e.encode()
+                         async for e in responder._events([Outputs(steps)], base, False, [render])])
         return [json.loads(line[6:]) for line in body.decode().split("\n\n") if line.startswith("data: {")]
 
-    completion = asyncio.run(events(server._completion_events))
+    completion = asyncio.run(events(False))
     assert [(e["choices"][0]["text"], e["choices"][0]["finish_reason"]) for e in completion] == \
         [("", None), ("ab", None), ("", "length")]
-    chat = asyncio.run(events(server._chat_events))
+    chat = asyncio.run(events(True))
     assert [(e["choices"][0]["delta"], e["choices"][0]["finish_reason"]) for e in chat] == \
         [({"role": "assistant", "content": ""}, None), ({"content": ""}, None), ({"content": "ab"}, None),
          ({}, "length")]

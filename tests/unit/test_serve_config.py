@@ -63,10 +63,11 @@ def test_each_command_keeps_its_flags():
         parser = build_parser()._subparsers._group_actions[0].choices[command]
         return {s for action in parser._actions for s in action.option_strings} - {"-h", "--help"}
 
-    assert flags("serve") == {"--tp", "--host", "--port", "--api-key", "--adapter", "--served-model-name",
+    assert flags("serve") == {"--tp", "--host", "--port", "--api-key", "--adapter", "--lora", "--served-model-name",
                               "--max-model-len", "--gpu-memory-utilization", "--max-queue", "--grace", "--device",
                               "--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--block-size",
-                              "--num-kv-blocks", "--no-prefix-caching", "--enforce-eager", "--skip-weight-check"}
+                              "--num-kv-blocks", "--no-prefix-caching", "--enforce-eager", "--skip-weight-check",
+                              "--allowed-origins", "--log-requests"}
     assert flags("generate") == {"--model", "--adapter", "--prompt", "--chat", "--system", "--max-new-tokens",
                                  "--temperature", "--top-p", "--top-k", "--seed", "--ignore-eos", "--device",
                                  "--dtype", "--enforce-eager", "--skip-weight-check"}

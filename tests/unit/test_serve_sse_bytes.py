@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from duoka.serve.api import _HOLE, _encode_str, _sse, _template
+from duoka.serve.api_responses import _HOLE, _encode_str, _sse, _template
 
 TEXTS = ["", "a", " the", 'say "hi"', "back\\slash", "tab\there\nnew\r", "\x00\x1f\x7f", "\u2028\u2029",
          "é中文🙂", "\ud800", "</script>", _HOLE[:3], "{}[],:"]

@@ -12,7 +12,7 @@ from duoka.errors import DuokaError
 from duoka.models.qwen2.args import FLAVORS, ModelOptions
 from duoka.models.qwen2.hf_adapter import load_hf_model, save_hf_checkpoint
 from duoka.models.qwen2.model import build_model, materialize
-from duoka.serve.runner import ARRAY_DTYPES, SCALARS, StepInputs
+from duoka.serve.runner import ARRAY_DTYPES, NUM_SIZES, SCALARS, StepInputs
 from duoka.serve.step_channel import HEADER_LEN
 from duoka.serve.tp_shard import (
     build_shard,
@@ -74,7 +74,7 @@ def test_every_step_input_travels_to_the_other_ranks():
     """A field added to StepInputs must be added to the tp message too (or the workers
     would run without it)."""
     assert {f.name for f in fields(StepInputs)} == set(ARRAY_DTYPES) | set(SCALARS)
-    assert 5 + len(SCALARS) <= HEADER_LEN
+    assert 1 + NUM_SIZES + len(SCALARS) <= HEADER_LEN
 
 
 def test_packed_projections_load_the_same_model(tmp_path):
