@@ -43,7 +43,8 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # Long free-text fields: a random model writes strings for most of its 256 tokens, so the
 # constrained requests decode about as long as the plain ones and the mask runs every step.
 ANSWER_SCHEMA = {"type": "object", "properties": {"title": {"type": "string"}, "points": {
-    "type": "array", "items": {"type": "string"}}, "done": {"type": "boolean"}}, "required": ["title", "points", "done"]}
+    "type": "array", "items": {"type": "string"}}, "done": {"type": "boolean"}},
+    "required": ["title", "points", "done"]}
 TOOL = {"type": "function", "function": {"name": "search", "description": "Search the web", "parameters": {
     "type": "object", "properties": {"query": {"type": "string"}, "limit": {"type": "integer"}},
     "required": ["query"]}}}
@@ -126,7 +127,8 @@ def main() -> None:
         server.stop()
     plain = max(result["plain"]["total_tokens_per_s"], result["plain_again"]["total_tokens_per_s"])
     result["adapters_vs_plain"] = result["adapters"]["total_tokens_per_s"] / plain
-    result["json64_vs_plain64_output"] = result["json64"]["output_tokens_per_s"] / result["plain64"]["output_tokens_per_s"]
+    result["json64_vs_plain64_output"] = (result["json64"]["output_tokens_per_s"]
+                                          / result["plain64"]["output_tokens_per_s"])
     if not args.no_peer:
         peer = run_peer(default_peer(), args.shape, args.requests, 128, 1024, 256, False, 600)
         result["peer"] = peer
