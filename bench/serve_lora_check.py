@@ -56,7 +56,8 @@ def main() -> None:
     del multi
     result = {"shape": args.shape, "requests": []}
     for i, folder in enumerate(folders[:2]):  # a2 and a3 run in the batch, unchecked: two suffice
-        alone = run(LLM(str(base), adapter=str(folder), **options), [r for r in requests if r[2] == f"a{i}"])
+        mine = [(rid, prompt, None) for rid, prompt, lora in requests if lora == f"a{i}"]  # merged: no name
+        alone = run(LLM(str(base), adapter=str(folder), **options), mine)
         for rid, (tokens, first) in alone.items():
             other, other_first = batched[rid]
             agree = next((k for k, (a, b) in enumerate(zip(tokens, other)) if a != b), len(tokens))

@@ -82,7 +82,11 @@ class GrammarRows:
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: frozenset[int]):
         self.tokenizer = tokenizer
-        self.vocab_size = vocab_size
+        # The masks cover the tokenizer's ids only: the sampler disallows the logits past them
+        # (Qwen2: 151,936 logits for 151,665 tokens). xgrammar handles ids past its vocabulary as
+        # special, one by one at every fill: with the bundled 4,096-token tokenizer under a 152k
+        # head that made a mask of 64 JSON rows 14.5 ms instead of 0.6 ms (2 cores).
+        self.mask_size = min(vocab_size, tokenizer.vocab_size)
         self.stop_ids = sorted(stop_ids)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="duoka-grammar")
         self._compiler: Future | None = None
@@ -102,8 +106,8 @@ class GrammarRows:
         kind, prefix_space = self.tokenizer.decoder_kind()
         vocab_type = {"ByteLevel": xgr.VocabType.BYTE_LEVEL, "ByteFallback": xgr.VocabType.BYTE_FALLBACK}.get(
             kind, xgr.VocabType.RAW)
-        info = xgr.TokenizerInfo(self.tokenizer.token_strings(self.vocab_size), vocab_type,
-                                 vocab_size=self.vocab_size, stop_token_ids=self.stop_ids or None,
+        strings = self.tokenizer.token_strings(self.mask_size)
+        info = xgr.TokenizerInfo(strings, vocab_type, vocab_size=self.mask_size, stop_token_ids=self.stop_ids or None,
                                  add_prefix_space=prefix_space)
         return xgr, xgr.GrammarCompiler(info, max_threads=FILL_THREADS)
 
@@ -137,14 +141,17 @@ class GrammarRows:
     # ---------------------------------------------------------------- steps
     def fill(self, rows: list[tuple[int, str]]) -> TokenMasks | None:
         """The bitmasks of the constrained rows among `rows` ((logits row, request id) pairs)."""
-        chosen = [(row, self._entries[rid].matcher) for row, rid in rows if rid in self._entries]
+        entries = self._entries
+        # A grammar that has ended has nothing to allow: its request is finishing.
+        chosen = [(row, entries[rid].matcher) for row, rid in rows
+                  if rid in entries and not entries[rid].matcher.is_terminated()]
         if not chosen:
             return None
         xgr = self._compiler.result()[0]
         if self._batch is None:
             self._batch = xgr.BatchGrammarMatcher(FILL_THREADS)
         if self._bits is None or self._bits.shape[0] < len(chosen):
-            self._bits = xgr.allocate_token_bitmask(max(len(chosen), 64), self.vocab_size)
+            self._bits = xgr.allocate_token_bitmask(max(len(chosen), 64), self.mask_size)
         bits = self._bits[:len(chosen)]
         self._batch.batch_fill_next_token_bitmask([m for _, m in chosen], bits)
         # A copy: the sampler uploads it without blocking, and the next step refills the buffer.

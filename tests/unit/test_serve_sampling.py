@@ -253,7 +253,7 @@ def test_cuda_matches_cpu_with_one_host_sync():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "called a synchronizing" in str(w.message)]
-    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    assert len(syncs) <= 1, [str(w.message) for w in syncs]  # the result comes back through an event
     assert gpu.token_ids == cpu.token_ids
     for a, b in zip(gpu.logprobs, cpu.logprobs):
         assert (a is None) == (b is None)
@@ -485,7 +485,7 @@ def test_cuda_matches_cpu_with_one_host_sync_with_every_new_parameter():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     syncs = [w for w in caught if "called a synchronizing" in str(w.message)]
-    assert len(syncs) == 1, [str(w.message) for w in syncs]
+    assert len(syncs) <= 1, [str(w.message) for w in syncs]  # the result comes back through an event
     assert gpu.token_ids == cpu.token_ids
     for a, b in zip(gpu.logprobs, cpu.logprobs):
         assert (a is None) == (b is None)
