@@ -63,8 +63,13 @@ def main() -> None:
             agree = next((k for k, (a, b) in enumerate(zip(tokens, other)) if a != b), len(tokens))
             result["requests"].append({"id": rid, "adapter": f"a{i}", "leading_tokens_equal": agree,
                                        "first_logprob_diff": abs(first - other_first)})
-    base_alone = run(LLM(str(base), **options), [r for r in requests if r[2] is None])
-    result["base_equal"] = all(base_alone[rid][0] == batched[rid][0] for rid in base_alone)
+    # The base model on every request: how far an adapter moves the first token's logprob, the
+    # scale the differences above are to be read against.
+    base_alone = run(LLM(str(base), **options), [(rid, prompt, None) for rid, prompt, _ in requests])
+    result["base_requests_first_logprob_diff"] = max(abs(base_alone[rid][1] - batched[rid][1])
+                                                     for rid, _, lora in requests if lora is None)
+    result["adapter_effect_first_logprob"] = min(abs(base_alone[rid][1] - batched[rid][1])
+                                                 for rid, _, lora in requests if lora is not None)
     rows = result["requests"]
     result["min_leading_equal"] = min(r["leading_tokens_equal"] for r in rows)
     result["max_first_logprob_diff"] = max(r["first_logprob_diff"] for r in rows)

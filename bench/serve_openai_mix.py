@@ -10,8 +10,9 @@
    prompts of 512 tokens, 256 output tokens): output tokens per second;
 5. the peer (bench/peers/serve_peer.py) on the plain workload, after the server stopped.
 
-Targets: mixed total tok/s >= 10x the peer's plain; adapters >= 80% of plain; the 64
-constrained requests >= 90% of the plain ones' output tok/s.
+Targets: mixed total tok/s >= 10x the peer's plain; adapters >= 80% of plain (both measured
+twice, interleaved, after a warm-up with the whole plain workload); the 64 constrained
+requests >= 90% of the plain ones' output tok/s.
 
     PYTHONPATH=$PWD python3 bench/serve_openai_mix.py --shape 7b --out $OUT/openai_mix_7b.json
 
@@ -98,6 +99,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--peer-timeout", type=float, default=600)
     args = ap.parse_args()
     t0 = time.time()
     base = make_folder(args.shape)
@@ -114,10 +116,13 @@ def main() -> None:
     lora_args = [x for i, f in enumerate(folders) for x in ("--lora", f"a{i}={f}")]
     server = StartedServer(str(base), ["--max-model-len", "4096", *lora_args], 900, print)
     try:
-        warm = [loadgen.Request(p, 16) for p in prompts[:8]] + [r for r in loads["mixed"][:8]] + \
-               [loadgen.Request(p, 16, model=f"a{i}") for i, p in enumerate(prompts[:ADAPTERS])]
-        loadgen.run_load(server.url, str(base), warm)
-        for name, requests in [*loads.items(), ("plain_again", loads["plain"]), *mask64.items()]:
+        # Warm-up: the whole plain workload (every prefill and decode shape the compiled blocks
+        # meet), then a few of the others; then plain and adapters twice each, interleaved.
+        loadgen.run_load(server.url, str(base), loads["plain"])
+        loadgen.run_load(server.url, str(base), loads["mixed"][:16] + loads["adapters"][:16])
+        order = [("plain", loads["plain"]), ("adapters", loads["adapters"]), ("mixed", loads["mixed"]),
+                 ("plain_again", loads["plain"]), ("adapters_again", loads["adapters"]), *mask64.items()]
+        for name, requests in order:
             summary = loadgen.run_load(server.url, str(base), requests)
             result[name] = {k: summary[k] for k in ("completed", "failed", "wall_s", "total_tokens_per_s",
                                                    "output_tokens_per_s", "output_tokens", "prompt_tokens")}
@@ -125,12 +130,13 @@ def main() -> None:
             server.check_alive()
     finally:
         server.stop()
-    plain = max(result["plain"]["total_tokens_per_s"], result["plain_again"]["total_tokens_per_s"])
-    result["adapters_vs_plain"] = result["adapters"]["total_tokens_per_s"] / plain
+    plain = (result["plain"]["total_tokens_per_s"] + result["plain_again"]["total_tokens_per_s"]) / 2
+    adapters = (result["adapters"]["total_tokens_per_s"] + result["adapters_again"]["total_tokens_per_s"]) / 2
+    result["adapters_vs_plain"] = adapters / plain
     result["json64_vs_plain64_output"] = (result["json64"]["output_tokens_per_s"]
                                           / result["plain64"]["output_tokens_per_s"])
     if not args.no_peer:
-        peer = run_peer(default_peer(), args.shape, args.requests, 128, 1024, 256, False, 600)
+        peer = run_peer(default_peer(), args.shape, args.requests, 128, 1024, 256, False, args.peer_timeout)
         result["peer"] = peer
         if peer.get("continuous"):
             result["peer_total_tokens_per_s"] = peer["continuous"]["total_tokens_per_s"]
