@@ -45,7 +45,9 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     base = make_folder(args.shape)
-    folders = [make_adapter(Path(f"/tmp/duoka-models/adapter-{args.shape}-{i}"), base, i) for i in range(ADAPTERS)]
+    # Strong adapters (B 20x the throughput benchmark's): their effect must dwarf bf16's rounding.
+    folders = [make_adapter(Path(f"/tmp/duoka-models/strong-adapter-{args.shape}-{i}"), base, i, b_scale=0.2)
+               for i in range(ADAPTERS)]
     vocab = json.loads((base / "config.json").read_text())["vocab_size"]
     prompts = loadgen.random_prompts(16, 32, 256, vocab, seed=3)
     requests = [(f"r{i}", p, None if i % 4 == 3 else f"a{i % 4}") for i, p in enumerate(prompts)]

@@ -51,7 +51,7 @@ TOOL = {"type": "function", "function": {"name": "search", "description": "Searc
     "required": ["query"]}}}
 
 
-def make_adapter(folder: Path, base: Path, seed: int) -> Path:
+def make_adapter(folder: Path, base: Path, seed: int, b_scale: float = 0.01) -> Path:
     """A random PEFT LoRA adapter on every projection (B non-zero, so it changes the output)."""
     config = json.loads((base / "config.json").read_text())
     hidden, inter = config["hidden_size"], config["intermediate_size"]
@@ -68,7 +68,7 @@ def make_adapter(folder: Path, base: Path, seed: int) -> Path:
             d_in, d_out = shapes[name]
             key = f"base_model.model.model.layers.{layer}.{parent}.{name}"
             tensors[f"{key}.lora_A.weight"] = (torch.randn(RANK, d_in, generator=g) / d_in**0.5).to(torch.bfloat16)
-            tensors[f"{key}.lora_B.weight"] = (torch.randn(d_out, RANK, generator=g) * 0.01).to(torch.bfloat16)
+            tensors[f"{key}.lora_B.weight"] = (torch.randn(d_out, RANK, generator=g) * b_scale).to(torch.bfloat16)
     folder.mkdir(parents=True, exist_ok=True)
     save_file(tensors, folder / "adapter_model.safetensors")
     (folder / "adapter_config.json").write_text(json.dumps({
