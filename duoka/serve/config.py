@@ -93,6 +93,11 @@ class EngineConfig:
                                 flag="--device", commands=(SERVE, GENERATE))
     dtype: str = option("auto", "auto = bfloat16 on GPU, float32 on CPU", flag="--dtype", commands=(SERVE, GENERATE),
                         choices=DTYPES)
+    quantization: str | None = option(
+        None, "fp8: quantize a bf16 checkpoint's projections to FP8 at load (per-channel weights, per-token "
+              "activations; FP8 matmuls on compute capability 8.9+); GPTQ, AWQ and FP8 compressed-tensors folders are "
+              "read from their config.json without it",
+        flag="--quantization", commands=(SERVE, GENERATE), choices=("fp8",))
     max_model_len: int | None = option(None, "longest prompt + output (default: the model's)",
                                        flag="--max-model-len", commands=(SERVE,))
     gpu_memory_utilization: float = option(

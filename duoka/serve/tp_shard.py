@@ -116,12 +116,15 @@ def build_shard(args: ModelArgs, tp: int, device: str | torch.device, dtype: tor
 
 
 @torch.no_grad()
-def load_shard(model: Qwen2, folder: Path, args: ModelArgs, tp: int, rank: int) -> None:
+def load_shard(model: Qwen2, folder: Path, args: ModelArgs, tp: int, rank: int, reference: Qwen2 | None = None,
+               allow_unused: bool = False) -> None:
     """Fill a build_shard model with `rank`'s slices of the folder's safetensors. Sharded
     weights are read through safetensors' get_slice, so a rank reads only its part of each
     from disk: 72B loads at tp 8 without any rank holding a full layer's projections.
-    The checkpoint's headers are checked against the full model `args` first."""
-    files, handles = open_checkpoint(folder, build_model(args))
+    The checkpoint's headers are checked against the full model `args` first (reference: a
+    meta model of what to check instead, e.g. one without the projections a quantized
+    checkpoint stores in its own tensors, which allow_unused then lets pass)."""
+    files, handles = open_checkpoint(folder, reference if reference is not None else build_model(args), allow_unused)
     local = shard_args(args, tp)
     for name, param in model.state_dict().items():
         if name == "output.weight" and args.tie_word_embeddings:

@@ -35,6 +35,7 @@ from duoka.models.qwen2.multi_lora import ServedLoRA, add_loras, read_lora
 from duoka.models.qwen2.peft import merge_adapter
 from duoka.serve.config import EngineConfig
 from duoka.serve.params import MAX_LOGPROBS, SamplingParams
+from duoka.serve.quant_load import check_fits, load_quantized_model, read_scheme, weight_bytes
 from duoka.serve.runner import CacheShape, ModelRunner, StepInputs, available_kv_bytes, cache_shape
 from duoka.serve.sampling import PendingSample, Sampler, SampleRow, TokenMasks
 from duoka.serve.step_channel import broadcast_step, step_group, worker_loop
@@ -111,6 +112,14 @@ class Worker:
         # loads; handed to the model in _load, then dropped here.
         self._loras: tuple[ServedLoRA, ...] = tuple(read_lora(name, folder, self.args)
                                                     for name, folder in config.loras)
+        # The folder's quantization (GPTQ, AWQ, FP8 checkpoints) or --quantization's; checked
+        # against the device's memory before anything loads.
+        self.scheme = read_scheme(self.folder, config.quantization)
+        if self.scheme is not None and (config.adapter is not None or config.loras):
+            raise DuokaError(f"LoRA adapters on a quantized model ({self.scheme.method}) are not supported yet",
+                             "serve the adapters on the bf16 model, or merge them first (duoka export --merge) and "
+                             "quantize the merged model")
+        check_fits(self.args, self.scheme, self.tp, self.device, config.gpu_memory_utilization)
         self.log = log
         self.runner_factory = runner_factory
         self.sampler = Sampler()
@@ -134,10 +143,13 @@ class Worker:
         # The CUDA graphs are captured here, with the tp all-reduces inside: on every rank alike.
         self.runner = self.runner_factory(self.model, shape, self.device, self.max_model_len, config.max_num_seqs,
                                           config.cuda_graphs)
-        self.log(f"duoka: loaded {self.folder} on {self.device} ({str(self.dtype).removeprefix('torch.')}) in "
-                 f"{time.perf_counter() - t0:.1f} s; KV cache {shape.tokens:,} tokens in {shape.num_blocks:,} blocks "
-                 f"of {config.block_size} ({shape.num_blocks * shape.bytes_per_block / 2**30:.2f} GiB), maximum "
-                 f"concurrency {shape.tokens / self.max_model_len:.1f}x at {self.max_model_len:,} tokens per request")
+        quantized = f", {self.scheme.method} {self.scheme.bits}-bit projections" if self.scheme else ""
+        cache_gib = shape.num_blocks * shape.bytes_per_block / 2**30
+        self.log(f"duoka: loaded {self.folder} on {self.device} ({str(self.dtype).removeprefix('torch.')}{quantized}) "
+                 f"in {time.perf_counter() - t0:.1f} s; weights {weight_bytes(self.model) / 2**30:.2f} GiB; KV cache "
+                 f"{shape.tokens:,} tokens in {shape.num_blocks:,} blocks of {config.block_size} ({cache_gib:.2f} GiB), "
+                 f"maximum concurrency {shape.tokens / self.max_model_len:.1f}x at {self.max_model_len:,} tokens per "
+                 "request")
 
     def _load(self) -> Qwen2:
         config = self.config
@@ -148,7 +160,10 @@ class Worker:
         # reading the weights cannot spare.
         compile = self.device.type == "cuda" if config.compile is None else config.compile
         options = ModelOptions(compile="block" if compile else "none", compile_dynamic=True, packed_projections=True)
-        if self.tp > 1:
+        if self.scheme is not None:
+            model = load_quantized_model(self.folder, self.args, self.scheme, self.device, self.dtype, options,
+                                         config.check_weights, self.group if self.tp > 1 else None)
+        elif self.tp > 1:
             model = load_tp_model(self.folder, self.args, self.group, self.device, self.dtype, options,
                                   config.check_weights)
         else:

@@ -215,7 +215,13 @@ BAD = [
      "temperature NaN"),
     ("/v1/chat/completions", {"model": MODEL, "messages": user("hi"), "logprobs": True, "top_logprobs": 21},
      "too many top_logprobs"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": user("hi"), "n": 3}, "n > 1"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": user("hi"), "n": 17}, "n > 16"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": user("hi"), "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}}, "a schema xgrammar refuses"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": user("hi"), "tool_choice": "required"},
+     "tool_choice required without tools"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"999999": 5}},
+     "a logit_bias id beyond the vocabulary"),
     ("/v1/completions", {"model": MODEL, "prompt": [[1, 2], [3]]}, "batched prompts"),
     ("/v1/completions", {"model": MODEL, "prompt": [999_999]}, "a token id outside the vocabulary"),
 ]
