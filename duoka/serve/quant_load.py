@@ -21,7 +21,10 @@ from duoka.errors import DuokaError
 from duoka.models.qwen2.args import ModelArgs, ModelOptions
 from duoka.models.qwen2.hf_adapter import CONFIG_FILE, open_safetensors, refuse_nonfinite, weight_files
 from duoka.models.qwen2.model import Qwen2, build_model, materialize
-from duoka.models.quant.base import Part, QuantScheme, Reader, TensorSource
+from duoka.models.quant.awq import read_awq
+from duoka.models.quant.base import Part, QuantizedLinear, QuantScheme, Reader, TensorSource
+from duoka.models.quant.fp8 import parse_compressed_tensors, quantize_fp8, read_compressed_fp8
+from duoka.models.quant.gptq import read_gptq
 from duoka.serve.tp_shard import all_reduce_outputs, load_shard, shard_args, shard_range
 
 QUANTIZATIONS = ("fp8",)  # what --quantization quantizes a bf16 checkpoint to at load
@@ -74,7 +77,6 @@ def _folder_scheme(folder: Path, qc: dict) -> QuantScheme:
                              "use a 4-bit AWQ checkpoint in the GEMM layout (what Qwen publishes)")
         return QuantScheme("awq", bits=4, group_size=qc.get("group_size", qc.get("q_group_size", 128)), sym=False)
     if method == "compressed-tensors":
-        from duoka.models.quant.fp8 import parse_compressed_tensors
         return parse_compressed_tensors(qc)
     raise DuokaError(f"{where}: quant_method {method or '(none)'} is not supported",
                      "duoka serves GPTQ (4/8 bit), AWQ (4 bit GEMM) and FP8 compressed-tensors checkpoints, or a bf16 "
@@ -82,14 +84,7 @@ def _folder_scheme(folder: Path, qc: dict) -> QuantScheme:
 
 
 def reader_for(scheme: QuantScheme) -> Reader:
-    if scheme.method == "gptq":
-        from duoka.models.quant.gptq import read_gptq
-        return read_gptq
-    if scheme.method == "awq":
-        from duoka.models.quant.awq import read_awq
-        return read_awq
-    from duoka.models.quant.fp8 import quantize_fp8, read_compressed_fp8
-    return quantize_fp8 if scheme.method == "fp8" else read_compressed_fp8
+    return {"gptq": read_gptq, "awq": read_awq, "fp8": quantize_fp8}.get(scheme.method, read_compressed_fp8)
 
 
 def _source(folder: Path) -> TensorSource:
@@ -107,10 +102,12 @@ def _source(folder: Path) -> TensorSource:
 def _without_projections(model: Qwen2) -> Qwen2:
     """The model with its projections removed (set to None), so that materializing and loading
     the rest leaves them out; they are put back quantized."""
+    named = (("attention", ("wqkv", "wq", "wk", "wv", "wo")), ("feed_forward", ("w13", "w1", "w3", "w2")))
     for block in model.layers.values():
-        for path, _, _ in PROJECTIONS:
-            owner, attr = path.split(".")
-            setattr(getattr(block, owner), attr, None)
+        for owner, attrs in named:
+            for attr in attrs:  # packed (serving) or unpacked (the reference checked against the headers)
+                if getattr(getattr(block, owner), attr, None) is not None:
+                    setattr(getattr(block, owner), attr, None)
     return model
 
 
@@ -146,8 +143,6 @@ def load_quantized_model(folder: Path, args: ModelArgs, scheme: QuantScheme, dev
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's weights on its device: quantized projections as stored, the rest
     as its parameters."""
-    from duoka.models.quant.base import QuantizedLinear
-
     quantized = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     inside = {id(t) for m in quantized for t in [*m.parameters(), *m.buffers()]}
     plain = sum(t.numel() * t.element_size() for t in {id(p): p for p in model.parameters()}.values()

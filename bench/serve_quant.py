@@ -1,0 +1,112 @@
+"""Quantized serving on the GPU against bf16 duoka in the same call (issue 39): batch-1 decode
+(128-token prompt, 256 tokens, greedy, ignore_eos) with bf16, FP8 quantized at load,
+GPTQ-Int4 and AWQ (round-to-nearest folders written from the same random weights); with
+--workload also the peer's 256-request workload through the engine, bf16 against FP8.
+
+    PYTHONPATH=$PWD python3 bench/serve_quant.py --shape 7b --out $OUT/quant_7b.json [--workload]
+
+Targets: FP8 batch-1 >= 1.6x bf16, Int4 >= 2.2x; the workload with FP8 >= bf16's total tok/s.
+Device kind nvidia-h200 (or nvidia-h100-x1); .wheels carried as for serve_openai_mix.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_models import SHAPES, make_folder, peer_workload  # noqa: E402
+
+from duoka.models.quant.folders import write_quantized_folder  # noqa: E402
+from duoka.serve.config import EngineConfig  # noqa: E402
+from duoka.serve.engine import LLM, LLMEngine  # noqa: E402
+from duoka.serve.params import SamplingParams  # noqa: E402
+
+
+def batch1(folder: Path, quantization: str | None, vocab: int) -> dict:
+    t0 = time.perf_counter()
+    engine = LLMEngine(EngineConfig(model=str(folder), quantization=quantization, max_model_len=4096,
+                                    max_num_seqs=1))
+    start_s = time.perf_counter() - t0
+    prompt = peer_workload(1, 128, 128, vocab)[0]
+
+    def run(out_len: int, rid: str, engine=engine) -> list[float]:
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True))
+        stamps = []
+        while engine.has_unfinished():
+            engine.step()
+            stamps.append(time.perf_counter())
+        return stamps
+
+    run(32, "warm")
+    rates = []
+    for k in range(3):
+        stamps = run(256, f"timed{k}")
+        rates.append((len(stamps) - 3) / (stamps[-1] - stamps[2]))
+    result = {"start_s": round(start_s, 1), "tokens_per_s": sorted(rates)[1], "runs": rates,
+              "weights_gib": torch.cuda.memory_allocated() / 2**30}
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def workload(folder: Path, quantization: str | None, vocab: int) -> dict:
+    llm = LLM(str(folder), quantization=quantization, max_model_len=4096)
+    prompts = peer_workload(256, 128, 1024, vocab)
+    params = SamplingParams(max_tokens=256, temperature=0, ignore_eos=True)
+    llm.generate(prompts[:16], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - t
+    tokens = sum(len(p) for p in prompts) + sum(len(o.token_ids) for o in outs)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return {"wall_s": wall, "total_tokens_per_s": tokens / wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", default="7b")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--workload", action="store_true")
+    ap.add_argument("--only", default="bf16,fp8,gptq4,awq")
+    args = ap.parse_args()
+    base = make_folder(args.shape)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    root = base.parent
+    folders = {"bf16": (base, None), "fp8": (base, "fp8")}
+    t = time.perf_counter()
+    if "gptq4" in args.only:
+        folders["gptq4"] = (write_quantized_folder(base, root / f"qwen2-{args.shape}-gptq4", "gptq", 4, device="cuda"),
+                            None)
+    if "awq" in args.only:
+        folders["awq"] = (write_quantized_folder(base, root / f"qwen2-{args.shape}-awq", "awq", 4, device="cuda"),
+                          None)
+    result = {"shape": args.shape, "command": " ".join(sys.argv), "write_s": round(time.perf_counter() - t, 1),
+              "device": torch.cuda.get_device_name()}
+    for name in args.only.split(","):
+        folder, quantization = folders[name]
+        result[name] = batch1(folder, quantization, vocab)
+        print(name, json.dumps(result[name]), flush=True)
+    for name in args.only.split(",")[1:]:
+        result[f"{name}_vs_bf16"] = result[name]["tokens_per_s"] / result["bf16"]["tokens_per_s"]
+    if args.workload:
+        for name in ("bf16", "fp8"):
+            result[f"workload_{name}"] = workload(*folders[name], vocab)
+            print(name, json.dumps(result[f"workload_{name}"]), flush=True)
+        result["workload_fp8_vs_bf16"] = (result["workload_fp8"]["total_tokens_per_s"]
+                                          / result["workload_bf16"]["total_tokens_per_s"])
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
