@@ -57,6 +57,30 @@ def batch1(folder: Path, quantization: str | None, vocab: int) -> dict:
     return result
 
 
+def kernel_check() -> dict:
+    """The CUDA kernels against their reference paths on one 7B-sized projection: tinygemm's
+    int4 matmul against x @ dequantized.T, _scaled_mm's FP8 against the emulated arithmetic."""
+    from duoka.models.quant.base import Part, QuantScheme
+    from duoka.models.quant.gptq import read_gptq
+    from duoka.models.quant.fp8 import quantize_fp8
+    from duoka.models.quant.writers import quantize_to_gptq
+
+    torch.manual_seed(0)
+    w = torch.randn(4608, 3584, device="cuda") * 0.02
+    x = torch.randn(8, 3584, device="cuda", dtype=torch.bfloat16)
+    packed = {f"p.{k}": v for k, v in quantize_to_gptq(w, 4, 128).items()}
+    int4 = read_gptq(packed.__getitem__, [Part("p")], QuantScheme("gptq", 4, 128), False, torch.device("cuda"),
+                     torch.bfloat16)
+    ref = x.float() @ int4.dequantize().float().T
+    fp8 = quantize_fp8({"p.weight": w.bfloat16()}.__getitem__, [Part("p")], QuantScheme("fp8"), False,
+                       torch.device("cuda"), torch.bfloat16)
+    return {"int4_kernel": getattr(int4, "kernel", "?"),
+            "int4_rel_err": float((int4(x).float() - ref).norm() / ref.norm()),
+            "fp8_scaled_mm": bool(getattr(fp8, "uses_scaled_mm", False)),
+            "fp8_rel_err_vs_emulation": float((fp8(x).float() - fp8.forward_reference(x).float()).norm()
+                                              / fp8.forward_reference(x).float().norm())}
+
+
 def workload(folder: Path, quantization: str | None, vocab: int) -> dict:
     llm = LLM(str(folder), quantization=quantization, max_model_len=4096)
     prompts = peer_workload(256, 128, 1024, vocab)
@@ -91,7 +115,8 @@ def main() -> None:
         folders["awq"] = (write_quantized_folder(base, root / f"qwen2-{args.shape}-awq", "awq", 4, device="cuda"),
                           None)
     result = {"shape": args.shape, "command": " ".join(sys.argv), "write_s": round(time.perf_counter() - t, 1),
-              "device": torch.cuda.get_device_name()}
+              "device": torch.cuda.get_device_name(), "kernels": kernel_check()}
+    print("kernels", json.dumps(result["kernels"]), flush=True)
     for name in args.only.split(","):
         folder, quantization = folders[name]
         result[name] = batch1(folder, quantization, vocab)
