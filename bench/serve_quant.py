@@ -97,6 +97,10 @@ def workload(folder: Path, quantization: str | None, vocab: int) -> dict:
 
 
 def main() -> None:
+    # Several engines in one process share the compiled decoder block's code: each adds its
+    # own variants (its projection types, its shapes), past dynamo's default limit of 8. One
+    # engine per process, as duoka serve runs, never comes near it.
+    torch._dynamo.config.recompile_limit = 64
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="7b")
     ap.add_argument("--out", required=True)
