@@ -91,7 +91,7 @@ class Responder:
                                      media_type="text/event-stream",
                                      background=BackgroundTask(_abort_all, streams),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        collected = await _unless_disconnected(request, asyncio.gather(*(_collect(s) for s in streams)))
+        collected = await _unless_disconnected(request, _collect_all(streams))
         if collected is None:  # the client went away; its request was aborted, nobody reads this
             return Response(status_code=499)
         failure = next((c for c in collected if isinstance(c, Exception)), None)
@@ -265,6 +265,12 @@ async def _batches(streams: list[RequestStream]) -> AsyncIterator[tuple[int, lis
     finally:
         for task in pending:
             task.cancel()
+
+
+async def _collect_all(streams: list[RequestStream]) -> list:
+    """Every choice's (text, outputs), or its failure. A coroutine, not a bare gather: cancelled
+    as a Task it ends cancelled, where a cancelled gather future ends holding a CancelledError."""
+    return await asyncio.gather(*(_collect(s) for s in streams))
 
 
 async def _collect(stream: RequestStream) -> tuple[str, list[RequestOutput]] | Exception:
