@@ -199,7 +199,10 @@ def test_cuda_scaled_mm_equals_the_reference(n, k, dtype):
     layer = quantize_fp8(t.__getitem__, [Part("m")], FP8, True, dev, dtype)
     assert layer.uses_scaled_mm
     x = torch.randn(3, 7, k, dtype=dtype, device=dev)
-    tol = dict(rtol=2**-7 if dtype == torch.bfloat16 else 2**-10, atol=1e-3)
+    # Outputs reach ~4, where one bf16 step is 2^-6: the kernel's fp32 accumulation order and
+    # bias add differ from the reference's, so a few elements land one step apart (seen on an
+    # H100: 12 of 5,376 by 0.0156).
+    tol = dict(rtol=2**-7, atol=2**-6) if dtype == torch.bfloat16 else dict(rtol=2**-10, atol=2**-9)
     torch.testing.assert_close(layer(x), layer.forward_reference(x), **tol)
     # The same computation on CPU (the reference path the CPU tests check) agrees too.
     cpu = quantize_fp8(t.__getitem__, [Part("m")], FP8, True, CPU, dtype)
