@@ -43,7 +43,8 @@ class JobConfig:
 @dataclass
 class ModelConfig:
     flavor: str = opt("debug", "Shape to train from scratch (see `duoka.models.qwen2.FLAVORS`): debug, qwen2-0.5b, "
-                               "qwen2-1.5b, qwen2-7b, qwen2-72b, qwen2.5-0.5b ... qwen2.5-72b. Ignored when path is set.")
+                               "qwen2-1.5b, qwen2-7b, qwen2-72b, qwen2.5-0.5b ... qwen2.5-72b; mixture of experts: "
+                               "qwen2-moe-tiny, qwen2-moe-a2.7b, qwen2-57b-a14b. Ignored when path is set.")
     path: str = opt("", "Hugging Face folder or hub id to start from (its config.json and weights). Empty: random init.")
     tokenizer: str = opt("", "Folder with tokenizer.json. Empty: the model path's, or the bundled one for `debug`.")
     check_weights: bool = opt(True, "Refuse model.path's weights if a tensor holds NaN or infinity (one pass over "

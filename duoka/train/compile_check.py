@@ -89,7 +89,9 @@ def check_compile(args: ModelArgs, options: ModelOptions, param_dtype: torch.dty
     gen = torch.Generator(device=device).manual_seed(0)  # the training's random streams stay untouched
     try:
         with torch.device(device):
-            block = TransformerBlock(small, options.replace(compile="none", compile_loss=False))
+            # A MoE model's sparse block when it has one: the kernels the check must compile.
+            layer = small.moe_layers[0] if small.moe_layers else 0
+            block = TransformerBlock(small, options.replace(compile="none", compile_loss=False), layer)
         with torch.no_grad():
             for p in block.parameters():
                 p.normal_(0.0, small.initializer_range, generator=gen)
@@ -133,7 +135,7 @@ def check_stamp(args: ModelArgs, options: ModelOptions, param_dtype: torch.dtype
     where = ((torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device)) if device.type == "cuda"
              else (device.type, os.environ.get("CXX"), shutil.which("g++"), shutil.which("c++")))
     code = [hashlib.sha256(Path(sys.modules[name].__file__).read_bytes()).hexdigest()
-            for name in (__name__, TransformerBlock.__module__)]
+            for name in (__name__, TransformerBlock.__module__, "duoka.models.qwen2.moe")]
     facts = (torch.__version__, torch.version.cuda, triton, where, repr(check_args(args)), repr(options),
              str(param_dtype), str(autocast_dtype), documents, code)
     return Path(folder) / "duoka-compile-checks" / (hashlib.sha256(repr(facts).encode()).hexdigest()[:32] + ".ok")

@@ -24,7 +24,7 @@ from duoka.data.sft import prepare_sft
 from duoka.data.tokenizer import Tokenizer
 from duoka.errors import DuokaError
 from duoka.hub import bundled_corpus, bundled_model_dir, resolve_model_dir
-from duoka.models.qwen2.args import ModelArgs, get_flavor
+from duoka.models.qwen2.args import BUNDLED_TOKENIZER_FLAVORS, FLAVORS, ModelArgs, get_flavor
 from duoka.models.qwen2.hf_adapter import read_config, weight_files
 from duoka.models.qwen2.stages import layer_counts
 from duoka.parallel.dims import ParallelDims
@@ -74,6 +74,7 @@ def resolve_run(cfg: Config, world: int, on_gpu: bool, log: Log) -> RunSpec:
     dims.check_model(args.n_heads, args.n_kv_heads, args.n_layers, cfg.parallel.pp_stages_per_rank)
     check_balance_config(cfg.parallel, cfg.debug, dims.model_parallel, dims.tp, dims.pp, dims.dp_size, world)
     check_float8(cfg.training.float8, dims.tp)
+    check_moe_layout(cfg, dims, args)
     lora = adapters.lora_args(cfg)
     adapters.check_layout(cfg, dims, args)
     check_optimizer(cfg, dims, on_gpu=on_gpu, lora=lora is not None)
@@ -94,6 +95,24 @@ def resolve_run(cfg: Config, world: int, on_gpu: bool, log: Log) -> RunSpec:
                    base=base)
 
 
+def check_moe_layout(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
+    """What a mixture-of-experts model does not train with yet: tensor and pipeline
+    parallelism (no plan for the sparse layers; the load-balancing loss spans every layer),
+    float8 and LoRA."""
+    if not args.num_experts:
+        return
+    name = cfg.model.path or cfg.model.flavor
+    refusals = [
+        (dims.tp > 1, f"parallel.tp={dims.tp}", "train it with data parallelism (FSDP2 or DDP): set parallel.tp=1"),
+        (dims.pp > 1, f"parallel.pp={dims.pp}", "train it with data parallelism (FSDP2 or DDP): set parallel.pp=1"),
+        (cfg.training.float8 != "none", f"training.float8={cfg.training.float8}", "set training.float8=none"),
+        (cfg.lora.rank > 0, f"LoRA (lora.rank={cfg.lora.rank})", "set lora.rank=0: train the whole model"),
+    ]
+    for refused, what, fix in refusals:
+        if refused:
+            raise DuokaError(f"{name} is a mixture-of-experts model, which does not train with {what} yet", fix)
+
+
 def resolve_model(cfg: Config) -> tuple[ModelArgs, Path | None, Path | None]:
     """(ModelArgs, folder to load weights from or None, tokenizer folder or None)."""
     if cfg.model.path:
@@ -105,7 +124,7 @@ def resolve_model(cfg: Config) -> tuple[ModelArgs, Path | None, Path | None]:
     args = get_flavor(cfg.model.flavor)
     if cfg.model.tokenizer:
         return args, None, resolve_model_dir(cfg.model.tokenizer)
-    if cfg.model.flavor == "debug":
+    if any(args is FLAVORS[name] for name in BUNDLED_TOKENIZER_FLAVORS):  # also under a shorthand name
         return args, None, bundled_model_dir()
     return args, None, None
 

@@ -12,6 +12,13 @@ is then exactly the gradient of the mean loss over the global batch, whatever th
 accumulation (tests/distributed checks 1 process = DDP = FSDP2 = HSDP = TP = PP under each
 schedule, and their combinations). Under tensor parallelism the loss runs on
 vocabulary-sharded logits (`loss_parallel`).
+
+A mixture-of-experts model whose config asks for the router's load-balancing loss adds it
+per micro-batch as transformers defines it (over one forward's tokens), weighted by the
+micro-batch's target tokens (in its fused loss, or returned with the logits): the step's
+loss is the mean cross-entropy plus router_aux_loss_coef x the token-weighted mean of the
+micro-batches' balancing losses. Unlike the cross-entropy, that term depends on how the
+batch is cut into micro-batches.
 """
 
 from __future__ import annotations
@@ -86,6 +93,7 @@ class Trainer:
         # The chunked head + cross-entropy needs the whole head on the rank: not under tp
         # (the vocabulary-parallel loss never gathers the logits) nor pp (the schedule owns the loss).
         self.fused_loss = cfg.training.fused_loss and not dims.model_parallel
+        self.router_aux = self.args.router_aux_loss  # a MoE model's load-balancing loss, added per micro-batch
 
         # The micro-batch is settled before the model is built: FSDP2's unit size follows it.
         micro_batch = spec.micro_batch or auto_micro_batch(cfg, dims, self.args, device)
@@ -234,11 +242,16 @@ class Trainer:
         if self.fused_loss:
             with self._autocast():
                 return self.model(**batch)  # the model applies the head and the loss together
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
         with self._autocast():
-            logits = self.model(**{k: v for k, v in batch.items() if k != "labels"})
+            # A MoE model's router load-balancing term comes with the logits (see the module doc).
+            logits, aux = (self.model(**inputs, with_router_aux=True) if self.router_aux
+                           else (self.model(**inputs), None))
         if self.compile_loss:
-            return compiled_cross_entropy_sum(logits, batch["labels"], varying_batch=self.balance.varying_batch)
-        return cross_entropy_sum(logits, batch["labels"])
+            ce = compiled_cross_entropy_sum(logits, batch["labels"], varying_batch=self.balance.varying_batch)
+        else:
+            ce = cross_entropy_sum(logits, batch["labels"])
+        return ce if aux is None else ce + aux * (batch["labels"] != IGNORE_INDEX).sum()
 
     def _forward_backward(self, micro: list[dict], phases: PhaseTimer) -> torch.Tensor:
         """The step's forward and backward; returns the rank's summed cross-entropy."""

@@ -13,23 +13,40 @@ PUBLISHED_BILLIONS = {
 }
 
 
+# Mixture-of-experts flavors: (total, activated) billions as their model cards give them
+# ("14.3B parameters in total and 2.7B activated"; 57B-A14B's card: 57.4B, A14B).
+PUBLISHED_MOE_BILLIONS = {"qwen2-moe-a2.7b": (14.3, 2.7), "qwen2-57b-a14b": (57.4, 14)}
+
+
 @pytest.mark.parametrize("name", [n for n in FLAVORS if n != "debug"])
 def test_flavor_matches_transformers_parameter_count(name):
     """Our module built on meta, transformers' module built from our exported config, and
     the published count must agree: a wrong head count or width shows up here."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM
 
     args = FLAVORS[name]
     ours = num_params(build_model(args))
+    model, config = (Qwen2MoeForCausalLM, Qwen2MoeConfig) if args.num_experts else (Qwen2ForCausalLM, Qwen2Config)
     with torch.device("meta"):
-        theirs = Qwen2ForCausalLM(Qwen2Config(**to_hf_config(args)))
+        theirs = model(config(**to_hf_config(args)))
     assert ours == num_params(theirs) == args.num_params()
-    assert round(ours / 1e9, 2) == pytest.approx(PUBLISHED_BILLIONS[name], abs=0.011)
+    if name in PUBLISHED_BILLIONS:
+        assert round(ours / 1e9, 2) == pytest.approx(PUBLISHED_BILLIONS[name], abs=0.011)
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED_MOE_BILLIONS))
+def test_moe_flavors_total_and_activated_parameters(name):
+    args = FLAVORS[name]
+    total, active = PUBLISHED_MOE_BILLIONS[name]
+    activated = args.matmul_params() + args.vocab_size * args.dim  # with the embedding, as the cards count
+    assert round(args.num_params() / 1e9, 1) == total
+    assert round(activated / 1e9, 1 if active < 10 else 0) == active
+    assert args.vocab_size == 151936 and not args.tie_word_embeddings and args.moe_layers == tuple(range(args.n_layers))
 
 
 def test_vocab_and_tie_follow_published_split():
     for name, args in FLAVORS.items():
-        if name == "debug":
+        if name == "debug" or args.num_experts:
             continue
         big = name.endswith(("7b", "14b", "32b", "72b"))
         assert args.vocab_size == (152064 if big else 151936), name

@@ -1,6 +1,10 @@
 """Qwen2 model shapes: the typed arguments, the named flavors, and the mapping to and
 from a Hugging Face `config.json`.
 
+A MoE model (Qwen1.5-MoE, Qwen2-57B-A14B: transformers' `qwen2_moe`) is the same decoder
+with a sparse MLP in some or all layers (duoka.models.qwen2.moe); the `num_experts` family
+of fields describes it, and `num_experts == 0` is a dense model.
+
 Flavors carry the published shapes of the base models. Instruct variants share the
 shape but sometimes differ in `rms_norm_eps` (e.g. Qwen2-72B uses 1e-5, its Instruct
 1e-6) and `max_position_embeddings`; loading a checkpoint folder always takes the
@@ -43,10 +47,35 @@ class ModelArgs:
     initializer_range: float = 0.02
     """Std of the normal init for weights, as transformers uses for Qwen2."""
 
+    # ---- mixture of experts (transformers' Qwen2MoeConfig names); all unused when dense ----
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0: a dense model (every layer a SwiGLU MLP)."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """Width of one routed expert's SwiGLU MLP."""
+    shared_expert_intermediate_size: int = 0
+    """Width of the shared expert, which every token passes through, scaled by its sigmoid gate."""
+    norm_topk_prob: bool = False
+    """Renormalise the top-k router probabilities to sum to 1 (False in every published Qwen2-MoE)."""
+    decoder_sparse_step: int = 1
+    """Layer i is a MoE layer when (i + 1) is a multiple of this (and i is not in mlp_only_layers)."""
+    mlp_only_layers: tuple[int, ...] = ()
+    """Layers that keep a dense MLP of intermediate_size."""
+    router_aux_loss_coef: float = 0.0
+    """Weight of the router's load-balancing loss in the training loss (with output_router_logits)."""
+    output_router_logits: bool = False
+    """Add router_aux_loss_coef x the load-balancing loss to the training loss, as transformers'
+    Qwen2MoeForCausalLM does when its config sets output_router_logits."""
+
     def __post_init__(self):
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_size"):
             if getattr(self, name) <= 0:
                 raise DuokaError(f"model argument {name}={getattr(self, name)} must be positive")
+        # A list from JSON or a TOML file becomes the tuple a frozen dataclass compares and hashes.
+        object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        if self.num_experts:
+            self._check_moe()
         if self.n_heads % self.n_kv_heads:
             raise DuokaError(
                 f"num_attention_heads={self.n_heads} is not a multiple of num_key_value_heads={self.n_kv_heads}",
@@ -60,33 +89,80 @@ class ModelArgs:
         if self.resolved_head_dim % 2:
             raise DuokaError(f"head_dim={self.resolved_head_dim} must be even for rotary embeddings")
 
+    def _check_moe(self) -> None:
+        def refuse(field: str, why: str, fix: str):
+            raise DuokaError(f"model argument {field}={getattr(self, field)!r} {why}", fix)
+
+        if self.num_experts < 0:
+            refuse("num_experts", "is negative", "set num_experts to the routed experts per layer (0: a dense model)")
+        if not 1 <= self.num_experts_per_tok <= self.num_experts:
+            refuse("num_experts_per_tok", f"must be between 1 and num_experts={self.num_experts}",
+                   "set num_experts_per_tok to the experts each token is routed to (the published models use 4 or 8)")
+        for name in ("moe_intermediate_size", "shared_expert_intermediate_size"):
+            if getattr(self, name) <= 0:
+                refuse(name, "must be positive in a MoE model", f"set {name} to the width of that expert's MLP")
+        if self.decoder_sparse_step < 1:
+            refuse("decoder_sparse_step", "must be 1 or more", "set decoder_sparse_step to 1 (every layer sparse)")
+        outside = [i for i in self.mlp_only_layers if not 0 <= i < self.n_layers]
+        if outside:
+            refuse("mlp_only_layers", f"names layers {outside} outside 0..{self.n_layers - 1}",
+                   "list layer indices counted from 0, below num_hidden_layers")
+        if self.router_aux_loss_coef < 0:
+            refuse("router_aux_loss_coef", "is negative", "set router_aux_loss_coef to 0 or more (published: 0.001)")
+
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (from 0) has the sparse MLP: transformers' rule."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.n_layers) if self.is_moe_layer(i))
+
+    @property
+    def router_aux_loss(self) -> bool:
+        """Whether the training loss includes the router's load-balancing loss."""
+        return bool(self.moe_layers) and self.output_router_logits
 
     def replace(self, **changes: Any) -> "ModelArgs":
         return dataclasses.replace(self, **changes)
 
     # ---- sizes used by the planner and by MFU ----
+    def mlp_params(self, active: bool = False) -> int:
+        """The MLP weights of all layers: dense SwiGLUs, and in MoE layers the router, the
+        routed experts (active: only the num_experts_per_tok a token uses), the shared
+        expert and its gate."""
+        dense = 3 * self.dim * self.intermediate_size
+        n_moe = len(self.moe_layers)
+        if not n_moe:
+            return self.n_layers * dense
+        experts = self.num_experts_per_tok if active else self.num_experts
+        sparse = (self.dim * self.num_experts + experts * 3 * self.dim * self.moe_intermediate_size
+                  + 3 * self.dim * self.shared_expert_intermediate_size + self.dim)
+        return (self.n_layers - n_moe) * dense + n_moe * sparse
+
     def num_params(self) -> int:
         """Number of distinct parameters (a tied head is counted once)."""
         hd = self.resolved_head_dim
         attn = self.dim * hd * (self.n_heads + 2 * self.n_kv_heads) + hd * (self.n_heads + 2 * self.n_kv_heads)
         attn += self.n_heads * hd * self.dim
-        mlp = 3 * self.dim * self.intermediate_size
-        per_layer = attn + mlp + 2 * self.dim
+        per_layer = attn + 2 * self.dim
         emb = self.vocab_size * self.dim
         head = 0 if self.tie_word_embeddings else self.vocab_size * self.dim
-        return self.n_layers * per_layer + emb + head + self.dim
+        return self.n_layers * per_layer + self.mlp_params() + emb + head + self.dim
 
     def matmul_params(self) -> int:
         """Weights that take part in a matmul per token: every linear layer and the output
         head (counted even when tied, since the head matmul is done), not the embedding
-        lookup, norms or biases. This is N in the PaLM MFU convention (Chowdhery et al. 2022, appendix B)."""
+        lookup, norms or biases; of a MoE layer's experts only those a token is routed to.
+        This is N in the PaLM MFU convention (Chowdhery et al. 2022, appendix B)."""
         hd = self.resolved_head_dim
         attn = self.dim * hd * (self.n_heads + 2 * self.n_kv_heads) + self.n_heads * hd * self.dim
-        mlp = 3 * self.dim * self.intermediate_size
-        return self.n_layers * (attn + mlp) + self.vocab_size * self.dim
+        return self.n_layers * attn + self.mlp_params(active=True) + self.vocab_size * self.dim
 
     def flops_per_token(self, seq_len: int, lora: LoRAArgs | None = None) -> float:
         """Training FLOPs per token, PaLM appendix B: 6N + 12·L·H·S (attention not halved
@@ -124,6 +200,7 @@ class ModelArgs:
 DOCUMENT_MASKING = ("sdpa", "flex", "varlen")
 SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
 COMPILE_MODES = ("none", "block", "parts")
+MOE_GEMMS = ("auto", "grouped", "loop")
 
 
 @dataclass(frozen=True)
@@ -153,11 +230,16 @@ class ModelOptions:
     compile_dynamic: bool = False
     """Compiled bodies take every size as symbolic from the first call: serving's steps differ
     in token count, sequences and block-table width from one step to the next."""
+    moe_gemm: str = "auto"
+    """A MoE layer's expert matmuls: "grouped" (one torch grouped GEMM per projection),
+    "loop" (one matmul per expert), "auto" (grouped where the device and dtype have the
+    kernel: duoka.models.qwen2.moe.grouped_mm_supported)."""
 
     def __post_init__(self):
         for name, value, allowed in (("document_masking", self.document_masking, DOCUMENT_MASKING),
                                      ("sdpa_backend", self.sdpa_backend, (None, *SDPA_BACKENDS)),
-                                     ("compile", self.compile, COMPILE_MODES)):
+                                     ("compile", self.compile, COMPILE_MODES),
+                                     ("moe_gemm", self.moe_gemm, MOE_GEMMS)):
             if value not in allowed:
                 raise DuokaError(f"model option {name}={value!r} is not one of {allowed}")
 
@@ -199,7 +281,28 @@ FLAVORS: dict[str, ModelArgs] = {
                            vocab_size=152064, tie_word_embeddings=False, norm_eps=1e-5, max_seq_len=131072),
     "qwen2.5-72b": _flavor(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, intermediate_size=29568,
                            vocab_size=152064, tie_word_embeddings=False, norm_eps=1e-5, max_seq_len=131072),
+    # Mixture of experts (Qwen/Qwen1.5-MoE-A2.7B, Qwen/Qwen2-57B-A14B config.json). Their files
+    # set output_router_logits false (and are read as they are); a flavor trains from scratch,
+    # where the router needs its load-balancing loss, so the flavors turn it on.
+    # The tiny one is `debug` with a sparse MLP: 8 experts, top-2, a shared expert, layer 0
+    # dense (mlp_only_layers), on the bundled tokenizer's vocabulary.
+    "qwen2-moe-tiny": ModelArgs(vocab_size=4096, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, intermediate_size=384,
+                                max_seq_len=2048, tie_word_embeddings=True, num_experts=8, num_experts_per_tok=2,
+                                moe_intermediate_size=64, shared_expert_intermediate_size=128, mlp_only_layers=(0,),
+                                router_aux_loss_coef=0.001, output_router_logits=True),
+    "qwen2-moe-a2.7b": _flavor(dim=2048, n_layers=24, n_heads=16, n_kv_heads=16, intermediate_size=5632,
+                               vocab_size=151936, tie_word_embeddings=False, max_seq_len=8192, num_experts=60,
+                               num_experts_per_tok=4, moe_intermediate_size=1408, shared_expert_intermediate_size=5632,
+                               router_aux_loss_coef=0.001, output_router_logits=True),
+    "qwen2-57b-a14b": _flavor(dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, intermediate_size=18944,
+                              vocab_size=151936, tie_word_embeddings=False, max_seq_len=131072, num_experts=64,
+                              num_experts_per_tok=8, moe_intermediate_size=2560, shared_expert_intermediate_size=20480,
+                              router_aux_loss_coef=0.001, output_router_logits=True),
 }
+
+# Flavors whose vocabulary is the bundled tokenizer's (duoka/assets): they train on the bundled
+# corpus with no tokenizer given.
+BUNDLED_TOKENIZER_FLAVORS = ("debug", "qwen2-moe-tiny")
 
 
 def get_flavor(name: str) -> ModelArgs:
@@ -214,6 +317,8 @@ def get_flavor(name: str) -> ModelArgs:
 # ---- Hugging Face config.json <-> ModelArgs ----
 
 _SUPPORTED_ARCH = "Qwen2ForCausalLM"
+_MOE_ARCH = "Qwen2MoeForCausalLM"
+_ARCH = {"qwen2": _SUPPORTED_ARCH, "qwen2_moe": _MOE_ARCH}
 
 
 def from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
@@ -228,12 +333,14 @@ def from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArg
 
     model_type = cfg.get("model_type")
     archs = cfg.get("architectures") or []
-    if model_type != "qwen2":
-        raise refuse("model_type", f"is {model_type!r}; duoka runs dense Qwen2/Qwen2.5 models (model_type 'qwen2')",
-                     "use a Qwen2 or Qwen2.5 checkpoint (MoE models such as qwen2_moe are not supported)")
-    if archs and _SUPPORTED_ARCH not in archs:
-        raise refuse("architectures", f"is {archs}; expected {_SUPPORTED_ARCH}",
-                     "use a causal-LM Qwen2 checkpoint (not a classification or reward head)")
+    if model_type not in _ARCH:
+        raise refuse("model_type", f"is {model_type!r}; duoka runs Qwen2/Qwen2.5 models (model_type 'qwen2') and "
+                     "their mixture-of-experts form (model_type 'qwen2_moe')",
+                     "use a Qwen2, Qwen2.5, Qwen1.5-MoE or Qwen2-MoE checkpoint")
+    if archs and _ARCH[model_type] not in archs:
+        raise refuse("architectures", f"is {archs}; expected {_ARCH[model_type]} for model_type {model_type!r}",
+                     "use a causal-LM checkpoint (not a classification or reward head) whose model_type and "
+                     "architectures agree")
     if cfg.get("use_sliding_window"):
         raise refuse("use_sliding_window", "is true; sliding-window attention is not implemented",
                      "set use_sliding_window to false (all published Qwen2/Qwen2.5 checkpoints ship it off)")
@@ -257,6 +364,7 @@ def from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArg
 
     try:
         n_heads = int(cfg["num_attention_heads"])
+        moe = _moe_fields(cfg, refuse) if model_type == "qwen2_moe" else {}
         return ModelArgs(
             vocab_size=int(cfg["vocab_size"]),
             dim=int(cfg["hidden_size"]),
@@ -272,6 +380,7 @@ def from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArg
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_id=cfg.get("eos_token_id"),
             initializer_range=float(cfg.get("initializer_range", 0.02)),
+            **moe,
         )
     except KeyError as e:
         raise refuse(e.args[0], "is missing", "the file is not a complete Qwen2 config.json") from None
@@ -279,14 +388,35 @@ def from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArg
         raise DuokaError(f"{source}: a value has the wrong type ({e})", "compare with a config.json that transformers wrote") from None
 
 
+def _moe_fields(cfg: dict[str, Any], refuse) -> dict[str, Any]:
+    """A qwen2_moe config's MoE fields as ModelArgs keywords. The shape-giving ones are required;
+    the others take transformers' defaults when absent, as Qwen2MoeConfig does."""
+    if not cfg.get("qkv_bias", True):
+        raise refuse("qkv_bias", "is false; Qwen2-MoE's attention has biases on q, k and v",
+                     "use a Qwen2-MoE checkpoint (qkv_bias true or absent)")
+    if not int(cfg["num_experts"]):
+        raise refuse("num_experts", "is 0: a qwen2_moe config without experts is a dense Qwen2",
+                     "set model_type to 'qwen2' and architectures to ['Qwen2ForCausalLM']")
+    return {"num_experts": int(cfg["num_experts"]), "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+            "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+            "shared_expert_intermediate_size": int(cfg["shared_expert_intermediate_size"]),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
+            "decoder_sparse_step": int(cfg.get("decoder_sparse_step", 1)),
+            "mlp_only_layers": tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
+            "router_aux_loss_coef": float(cfg.get("router_aux_loss_coef", 0.001)),
+            "output_router_logits": bool(cfg.get("output_router_logits", False))}
+
+
 def to_hf_config(args: ModelArgs, dtype: str | None = None) -> dict[str, Any]:
-    """The config.json that transformers' Qwen2ForCausalLM reads back as the same model.
+    """The config.json that transformers' Qwen2ForCausalLM (Qwen2MoeForCausalLM for a MoE
+    model) reads back as the same model.
 
     Both the old (rope_theta) and new (rope_parameters) spellings are written, so
     transformers 4.x and 5.x read it alike."""
+    moe = args.num_experts > 0
     cfg: dict[str, Any] = {
-        "architectures": [_SUPPORTED_ARCH],
-        "model_type": "qwen2",
+        "architectures": [_MOE_ARCH if moe else _SUPPORTED_ARCH],
+        "model_type": "qwen2_moe" if moe else "qwen2",
         "vocab_size": args.vocab_size,
         "hidden_size": args.dim,
         "intermediate_size": args.intermediate_size,
@@ -310,6 +440,13 @@ def to_hf_config(args: ModelArgs, dtype: str | None = None) -> dict[str, Any]:
     }
     if args.head_dim is not None:
         cfg["head_dim"] = args.head_dim
+    if moe:
+        cfg.update({"num_experts": args.num_experts, "num_experts_per_tok": args.num_experts_per_tok,
+                    "moe_intermediate_size": args.moe_intermediate_size,
+                    "shared_expert_intermediate_size": args.shared_expert_intermediate_size,
+                    "norm_topk_prob": args.norm_topk_prob, "decoder_sparse_step": args.decoder_sparse_step,
+                    "mlp_only_layers": list(args.mlp_only_layers), "router_aux_loss_coef": args.router_aux_loss_coef,
+                    "output_router_logits": args.output_router_logits, "qkv_bias": True})
     if dtype is not None:
         cfg["torch_dtype"] = dtype  # transformers 4.x name
         cfg["dtype"] = dtype  # transformers 5.x name

@@ -51,7 +51,17 @@ _LAYER_NAMES = {
     "mlp.down_proj.weight": "feed_forward.w2.weight",
     "input_layernorm.weight": "attention_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
+    # a MoE layer's MLP (Qwen2MoeSparseMoeBlock); its routed experts are stacked (_EXPERTS)
+    "mlp.gate.weight": "feed_forward.router.weight",
+    "mlp.shared_expert.gate_proj.weight": "feed_forward.shared_expert.w1.weight",
+    "mlp.shared_expert.up_proj.weight": "feed_forward.shared_expert.w3.weight",
+    "mlp.shared_expert.down_proj.weight": "feed_forward.shared_expert.w2.weight",
+    "mlp.shared_expert_gate.weight": "feed_forward.shared_expert_gate.weight",
 }
+# A MoE layer's routed experts: one duoka tensor [E, out, in] per projection holds what a
+# transformers checkpoint stores as E tensors, mlp.experts.<e>.<projection>.weight.
+_EXPERTS = {"feed_forward.experts.w1": "gate_proj", "feed_forward.experts.w3": "up_proj",
+            "feed_forward.experts.w2": "down_proj"}
 _TOP_NAMES = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
     "model.norm.weight": "norm.weight",
@@ -63,13 +73,37 @@ _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _DUOKA_LAYER = re.compile(r"^layers\.(\d+)\.(.+)$")
 
 
+_HF_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERTS_BACK = {v: k for k, v in _EXPERTS.items()}
+
+
 def hf_to_duoka(name: str) -> str | None:
+    """duoka's name for a transformers tensor; for one routed expert's projection, the name
+    of the stacked tensor that holds it (hf_expert gives which slice)."""
     if name in _TOP_NAMES:
         return _TOP_NAMES[name]
     m = _HF_LAYER.match(name)
     if m and m.group(2) in _LAYER_NAMES:
         return f"layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}"
-    return None
+    expert = hf_expert(name)
+    return expert[0] if expert else None
+
+
+def hf_expert(name: str) -> tuple[str, int] | None:
+    """(stacked duoka tensor, expert index) for a transformers routed-expert weight, else None."""
+    m = _HF_LAYER.match(name)
+    e = _HF_EXPERT.match(m.group(2)) if m else None
+    if e is None:
+        return None
+    return f"layers.{m.group(1)}.{_EXPERTS_BACK[e.group(2)]}", int(e.group(1))
+
+
+def expert_names(name: str, num_experts: int) -> list[str] | None:
+    """The transformers names of a stacked expert tensor's slices, in order; None for any other tensor."""
+    m = _DUOKA_LAYER.match(name)
+    if not (m and m.group(2) in _EXPERTS):
+        return None
+    return [f"model.layers.{m.group(1)}.mlp.experts.{e}.{_EXPERTS[m.group(2)]}.weight" for e in range(num_experts)]
 
 
 def duoka_to_hf(name: str) -> str:
@@ -145,17 +179,24 @@ _PACKED = {
     "attention.wqkv.weight": ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"),
     "attention.wqkv.bias": ("attention.wq.bias", "attention.wk.bias", "attention.wv.bias"),
     "feed_forward.w13.weight": ("feed_forward.w1.weight", "feed_forward.w3.weight"),
+    "feed_forward.shared_expert.w13.weight": ("feed_forward.shared_expert.w1.weight",
+                                              "feed_forward.shared_expert.w3.weight"),
 }
 
 
 def checkpoint_sources(name: str, shape: tuple[int, ...], args: ModelArgs) -> list[tuple[str, tuple[int, ...]]]:
-    """The checkpoint tensors (HF name, shape) that the model's tensor `name` is made of."""
+    """The checkpoint tensors (HF name, shape) that the model's tensor `name` is made of, in
+    the order that concatenated along dim 0 (and reshaped to `shape`) they give it."""
     m = _DUOKA_LAYER.match(name)
+    experts = expert_names(name, shape[0]) if m else None
+    if experts is not None:
+        return [(hf, tuple(shape[1:])) for hf in experts]
     if not (m and m.group(2) in _PACKED):
         return [(duoka_to_hf(name), shape)]
     head_dim = args.resolved_head_dim
+    width = args.shared_expert_intermediate_size if ".shared_expert." in m.group(2) else args.intermediate_size
     rows = ((args.n_heads * head_dim, args.n_kv_heads * head_dim, args.n_kv_heads * head_dim)
-            if m.group(2).startswith("attention.") else (args.intermediate_size, args.intermediate_size))
+            if m.group(2).startswith("attention.") else (width, width))
     return [(duoka_to_hf(f"layers.{m.group(1)}.{part}"), (n, *shape[1:])) for part, n in zip(_PACKED[m.group(2)], rows)]
 
 
@@ -220,7 +261,8 @@ def load_hf_weights(model: Qwen2, folder: Path, allow_unused: bool = False, chec
     loaded = _model_tensors(model)
     for name, sources in loaded.items():
         parts = [handles[files[hf]].get_tensor(hf) for hf, _ in sources]
-        write_full_(params[name], parts[0] if len(parts) == 1 else torch.cat(parts))
+        # Packed projections concatenate their parts; stacked experts are the same bytes as [E, out, in].
+        write_full_(params[name], parts[0] if len(parts) == 1 else torch.cat(parts).view(params[name].shape))
     if check_weights:
         refuse_nonfinite(folder, {name: params[name] for name in loaded})
 
@@ -300,12 +342,17 @@ def parse_size(size: int | str) -> int:
 
 
 def hf_state_dict(state_dict: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    """duoka-named tensors under transformers' names, the tied head left out as HF does."""
+    """duoka-named tensors under transformers' names, the tied head left out as HF does, a
+    stacked expert tensor as one tensor per expert (views: nothing is copied here)."""
     out = {}
     for name, tensor in state_dict.items():
         if name == "output.weight" and args.tie_word_embeddings:
             continue
-        out[duoka_to_hf(name)] = tensor
+        experts = expert_names(name, tensor.shape[0])
+        if experts is not None:
+            out.update(zip(experts, tensor.unbind(0)))
+        else:
+            out[duoka_to_hf(name)] = tensor
     return out
 
 

@@ -1,16 +1,19 @@
 """Qwen2 as a plain single-device nn.Module.
 
 Numerically the same model as transformers' Qwen2ForCausalLM (checked in
-tests/unit/test_parity.py), laid out for parallelism the torchtitan way: no process
-groups inside, layers in a ModuleDict with string keys (a pipeline stage builds only the
-ones it owns, under their global names), built on the meta device and then materialised
-with `to_empty` + `init_weights`, or filled from a checkpoint. How it runs (attention
-kernels, fused projections, compiled bodies) is fixed at construction by ModelOptions;
-LoRA adapters (duoka.models.lora), which change what it computes and trains, by LoRAArgs.
+tests/unit/test_parity.py) and Qwen2MoeForCausalLM (tests/unit/test_moe_model.py), laid
+out for parallelism the torchtitan way: no process groups inside, layers in a ModuleDict
+with string keys (a pipeline stage builds only the ones it owns, under their global
+names), built on the meta device and then materialised with `to_empty` + `init_weights`,
+or filled from a checkpoint. How it runs (attention kernels, fused projections, compiled
+bodies, the MoE expert matmuls) is fixed at construction by ModelOptions; LoRA adapters
+(duoka.models.lora), which change what it computes and trains, by LoRAArgs.
 
 Architecture (Qwen2 technical report, arXiv:2407.10671): pre-norm decoder blocks with
 RMSNorm, grouped-query attention with biases on q/k/v, rotary position embeddings
-(RoFormer, arXiv:2104.09864, "rotate-half" layout) and a SwiGLU MLP (arXiv:2002.05202).
+(RoFormer, arXiv:2104.09864, "rotate-half" layout) and a SwiGLU MLP (arXiv:2002.05202);
+in a MoE model (Qwen2-MoE, transformers' Qwen2MoeForCausalLM) the MLP of the layers
+ModelArgs.is_moe_layer names is duoka.models.qwen2.moe's sparse one.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ from duoka.models.lora import (
     linear,
     quantize_weight_,
 )
-from duoka.models.loss import chunked_cross_entropy
+from duoka.models.loss import IGNORE_INDEX, chunked_cross_entropy
 from duoka.models.qwen2.args import DOCUMENT_MASKING, ModelArgs, ModelOptions
+from duoka.models.qwen2.moe import MoE, RoutingRecorder, RoutingStats, load_balancing_loss
 from duoka.models.qwen2.paged import PagedBatch, causal_varlen, paged_attention
 
 
@@ -289,24 +293,47 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def sparse_mlp(args: ModelArgs, options: ModelOptions) -> MoE:
+    """A MoE layer's MLP. Its shared expert is a FeedForward (named, loaded and packed as a
+    dense MLP) run inside the MoE body, so it compiles with it, never on its own."""
+    shared = FeedForward(args.dim, args.shared_expert_intermediate_size, options.replace(compile="none"))
+    return MoE(args.dim, args.num_experts, args.num_experts_per_tok, args.moe_intermediate_size,
+               args.norm_topk_prob, shared, options.moe_gemm)
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, options: ModelOptions = ModelOptions(), layer_id: int = 0,
-                 lora: LoRAArgs | None = None):
+                 lora: LoRAArgs | None = None, routing: RoutingRecorder | None = None):
+        """routing: where a MoE layer's routing statistics go (the model's recorder; None:
+        dropped). A dense layer ignores it."""
         super().__init__()
         self.layer_id = layer_id  # which of a serving step's per-layer caches is this layer's
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args, options, lora)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.intermediate_size, options, lora)
+        self.sparse = args.is_moe_layer(layer_id)
+        self.routing = routing if self.sparse else None
+        self.feed_forward = sparse_mlp(args, options) if self.sparse else \
+            FeedForward(args.dim, args.intermediate_size, options, lora)
         self._body = compiled_body(self._block, options.compile == "block", options.compile_dynamic)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask=None) -> torch.Tensor:
         if isinstance(mask, PagedBatch):
             mask = mask.for_layer(self.layer_id)
-        return self._body(x, rope, mask)
+        if not self.sparse:
+            return self._body(x, rope, mask)
+        # Recorded here, outside the compiled body: the graph shared by all blocks neither
+        # sees the layer's id nor mutates the recorder.
+        h, stats = self._body(x, rope, mask)
+        if self.routing is not None:
+            self.routing.record(self.layer_id, stats)
+        return h
 
     def _block(self, x, rope, mask):
         x = x + self.attention(self.attention_norm(x), rope=rope, mask=mask)
+        if self.sparse:
+            out, stats = self.feed_forward(self.ffn_norm(x))
+            return x + out, stats
         return x + self.feed_forward(self.ffn_norm(x))
 
     def base_linears(self) -> tuple[nn.Linear, ...]:
@@ -335,6 +362,8 @@ class Qwen2(nn.Module):
         if lora is not None and options.packed_projections:
             raise ValueError("packed projections are for inference and take no adapters: merge the adapter into "
                              "the weights instead (duoka.models.qwen2.peft.merge_adapter)")
+        if lora is not None and args.num_experts:
+            raise ValueError("LoRA adapters on a mixture-of-experts model are not supported")
         self.args = args
         self.options = options
         self.stage = stage
@@ -344,7 +373,10 @@ class Qwen2(nn.Module):
         last = stage is None or stage.last
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) \
             if first or (last and args.tie_word_embeddings) else None
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, options, i, lora) for i in range(start, stop)})
+        # A MoE model's blocks hand their routing statistics to this recorder during forward.
+        self.routing = RoutingRecorder() if args.num_experts else None
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, options, i, lora, self.routing)
+                                     for i in range(start, stop)})
         self.norm = RMSNorm(args.dim, args.norm_eps) if last else None
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if last else None
         self.tie_weights()
@@ -418,10 +450,16 @@ class Qwen2(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         paged: PagedBatch | None = None,
-    ) -> torch.Tensor:
+        with_router_aux: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """tokens: [batch, seq] -> logits [batch, seq, vocab] in the compute dtype, or with
         labels [batch, seq] the summed fp32 cross-entropy, computed chunk by chunk with the
-        output head so the logits are never materialised (duoka.models.loss).
+        output head so the logits are never materialised (duoka.models.loss); for a MoE
+        model whose config sets output_router_logits, plus its router's load-balancing term
+        (router_aux_loss) times the target tokens, so that dividing by them gives
+        transformers' loss: mean cross-entropy + router_aux_loss_coef x aux.
+        with_router_aux (without labels): (logits, router_aux_loss), the term as a 0-d fp32
+        tensor (zero where the model has none), for a caller that computes the loss itself.
 
         positions: [seq] or [batch, seq]; defaults to 0..seq-1.
         document_ids: [batch, seq] for packed sequences: a token attends only to earlier
@@ -437,15 +475,50 @@ class Qwen2(nn.Module):
         mask = paged
         if document_ids is not None:
             mask = document_mask(document_ids, self.options.document_masking, cu_seqlens)
-        for layer in self.layers.values():
-            h = layer(h, rope, mask=mask)
+        h, routing = self._layers(h, rope, mask)
+        aux = self.router_aux_loss(routing) if labels is not None or with_router_aux else None
         if paged is not None and self.norm is not None:
             h = h[0, paged.logits_indices]
         if self.norm is not None:
             h = self.norm(h)
         if labels is not None:
-            return chunked_cross_entropy(h, self.output.weight, labels, compiled=self.options.compile_loss)
-        return self.output(h) if self.output is not None else h
+            loss = chunked_cross_entropy(h, self.output.weight, labels, compiled=self.options.compile_loss)
+            return loss if aux is None else loss + aux * (labels != IGNORE_INDEX).sum()
+        out = self.output(h) if self.output is not None else h
+        if with_router_aux:
+            return out, aux if aux is not None else torch.zeros((), device=h.device)
+        return out
+
+    def _layers(self, h: torch.Tensor, rope, mask) -> tuple[torch.Tensor, dict[int, RoutingStats]]:
+        """The decoder layers; with them, a MoE model's routing statistics of this forward."""
+        if self.routing is None:
+            for layer in self.layers.values():
+                h = layer(h, rope, mask=mask)
+            return h, {}
+        self.routing.start()
+        try:
+            for layer in self.layers.values():
+                h = layer(h, rope, mask=mask)
+        finally:
+            routing = self.routing.finish()
+        return h, routing
+
+    def router_aux_loss(self, routing: dict[int, RoutingStats]) -> torch.Tensor | None:
+        """router_aux_loss_coef x the load-balancing loss of one forward's routing, what
+        transformers adds to the mean cross-entropy; None unless the config asks for it
+        (output_router_logits) and the forward ran MoE layers."""
+        if not (routing and self.args.output_router_logits):
+            return None
+        return self.args.router_aux_loss_coef * load_balancing_loss(list(routing.values()), self.args.num_experts)
+
+    def expert_load(self) -> dict[int, torch.Tensor]:
+        """The last forward's load per MoE layer: {layer id: [E] share of the top-k
+        assignments each expert received} (each sums to 1; 1/E is perfect balance). Empty
+        for a dense model or before any forward."""
+        if self.routing is None:
+            return {}
+        return {layer: s.expert_counts / (s.tokens * self.args.num_experts_per_tok)
+                for layer, s in self.routing.load.items()}
 
 
 def build_model(args: ModelArgs, options: ModelOptions = ModelOptions(), device: str | torch.device = "meta",

@@ -1,0 +1,217 @@
+"""Qwen2-MoE's sparse MLP (transformers' Qwen2MoeSparseMoeBlock): a router, routed experts
+stacked along a leading expert dimension, and a shared expert behind a sigmoid gate.
+
+Routing (`route`): the router's logits in the compute dtype, a softmax over the experts in
+fp32, each token's top-k probabilities (renormalised to sum to 1 when norm_topk_prob), cast
+back to the logits' dtype: transformers' Qwen2MoeTopKRouter step for step.
+
+The experts run dropless (`routed_experts`): every (token, expert) pair of the top-k is
+computed, none is dropped for capacity. The pairs are sorted by expert, so that each
+expert's tokens form one contiguous group, and each of the three projections is one grouped
+GEMM over the groups (torch.nn.functional.grouped_mm, given the groups' end offsets) where
+the device and dtype have a kernel (`grouped_mm_supported`), else a loop of one plain
+matmul per expert over its group (`expert_swiglu`). The outputs return to token order and
+are summed over each token's k experts, weighted by their routing probabilities.
+
+Routing statistics (`RoutingStats`: per expert, the top-k assignments and the summed router
+probabilities) leave each MoE layer beside its output; the model collects them during its
+own forward (`RoutingRecorder`) for the router's load-balancing loss
+(`load_balancing_loss`, transformers' definition) and the per-expert load.
+
+The expert weights are [experts, out, in] (each expert's slice an nn.Linear weight), the
+expert dimension first so that FSDP2 or expert parallelism can shard it. The routing and
+expert functions take flattened tokens [tokens, dim], so a serving step can call them too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from duoka.models.qwen2.args import MOE_GEMMS
+
+
+class Routing(NamedTuple):
+    """One MoE layer's routing of T tokens over E experts, top-k."""
+    logits: torch.Tensor  # [T, E] in the compute dtype
+    probs: torch.Tensor  # [T, E] fp32 softmax of the logits
+    weights: torch.Tensor  # [T, k] the chosen experts' probabilities (renormalised if asked), logits' dtype
+    experts: torch.Tensor  # [T, k] int64 the chosen experts, most probable first
+
+
+class RoutingStats(NamedTuple):
+    """What the load-balancing loss and the load monitor need from one MoE layer's forward."""
+    expert_counts: torch.Tensor  # [E] fp32: the top-k assignments each expert received (no gradient)
+    prob_sums: torch.Tensor  # [E] fp32: router probabilities summed over the tokens (the loss's path to the router)
+    tokens: int  # tokens routed
+
+
+def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, norm_topk_prob: bool) -> Routing:
+    """x: [T, dim] (a batch's tokens, flattened); router_weight: [E, dim]."""
+    logits = F.linear(x, router_weight)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(logits, probs, weights.to(logits.dtype), experts)
+
+
+def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, counts) for the [T, k] chosen experts: `order` [T * k] lists the flattened
+    (token, slot) pairs grouped by expert, in token order within a group (a stable sort);
+    `counts` [E] int32 the size of each group. No host synchronisation."""
+    flat = experts.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    return order, counts
+
+
+@torch.compiler.assume_constant_result
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether torch.nn.functional.grouped_mm has a kernel for these operands (torch 2.11-2.13):
+    on CUDA bf16 only, on compute capability 8.0 or later, with 16-byte aligned rows (every
+    width a multiple of 8); on the CPU bf16 or fp32, though fp32 only eagerly (the function
+    that torch.compile traces accepts bf16 alone). Anything else takes the loop of matmuls."""
+    if not hasattr(F, "grouped_mm") or x.dtype != weight.dtype:
+        return False
+    if x.device.type == "cuda":
+        index = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        aligned = all(n % 8 == 0 for n in weight.shape[1:])
+        return x.dtype == torch.bfloat16 and aligned and _cuda_capability(index) >= (8, 0)
+    if x.device.type == "cpu":
+        return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and not torch.compiler.is_compiling())
+    return False
+
+
+def expert_swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor, counts: torch.Tensor,
+                  grouped: bool) -> torch.Tensor:
+    """Each expert's SwiGLU, w2 (silu(w1 x) * w3 x), on its group of rows.
+
+    x: [N, dim], the rows grouped by expert (counts[e] rows for expert e, in expert order);
+    w1, w3: [E, hidden, dim]; w2: [E, dim, hidden]. grouped: one grouped GEMM per
+    projection (no host synchronisation, no padding). Otherwise one F.linear per expert
+    over exactly its rows: the same products as a dense layer per expert, with no FLOP spent
+    on padding however unbalanced the routing, at the cost of one host synchronisation (the
+    group sizes) and a launch per expert; a batched matmul over groups padded to the largest
+    would need the same synchronisation and multiply the work when the routing is skewed."""
+    if grouped:
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        gate = F.grouped_mm(x, w1.transpose(-2, -1), offs=offsets)
+        up = F.grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+        return F.grouped_mm(F.silu(gate) * up, w2.transpose(-2, -1), offs=offsets)
+    outs = [F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e])
+            for e, rows in enumerate(x.split(counts.tolist())) if rows.shape[0]]
+    return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
+
+
+class GroupedExperts(nn.Module):
+    """The routed experts of one MoE layer, stacked: w1 (gate_proj) and w3 (up_proj) are
+    [E, hidden, dim], w2 (down_proj) [E, dim, hidden]. forward takes the rows already grouped
+    by expert with the group sizes, the interface an expert-parallel dispatch wraps."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int, gemm: str = "auto"):
+        super().__init__()
+        if gemm not in MOE_GEMMS:
+            raise ValueError(f"moe_gemm={gemm!r} is not one of {MOE_GEMMS}")
+        self.gemm = gemm
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        w1, w3, w2 = self.w1, self.w3, self.w2
+        if torch.is_autocast_enabled(x.device.type):
+            # grouped_mm is not autocast-aware: run it in the autocast dtype, as F.linear would.
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, w1, w3, w2 = (t.to(dtype) for t in (x, w1, w3, w2))
+        grouped = self.gemm == "grouped" or (self.gemm == "auto" and grouped_mm_supported(x, w1))
+        return expert_swiglu(x, w1, w3, w2, counts, grouped)
+
+
+def routed_experts(x: torch.Tensor, routing: Routing, experts: GroupedExperts) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routed experts' output for x [T, dim], dropless: [T, dim] and the per-expert
+    assignment counts [E] int32."""
+    n_tokens, k = routing.experts.shape
+    order, counts = sort_by_expert(routing.experts, experts.w1.shape[0])
+    y = experts(x[order // k], counts)  # [T * k, dim], grouped by expert
+    # Back to (token, slot) order: a permutation, so every row is written once.
+    y = y.new_empty(y.shape).index_copy_(0, order, y)
+    out = (y.view(n_tokens, k, -1) * routing.weights.unsqueeze(-1)).sum(dim=1)
+    return out, counts
+
+
+class MoE(nn.Module):
+    """A sparse MLP layer: routed experts plus a shared expert scaled by sigmoid(shared_expert_gate x).
+    forward returns (output, RoutingStats). The shared expert is built by the caller (the
+    model's SwiGLU module, so its weights are named and loaded as a dense MLP's)."""
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, hidden: int, norm_topk_prob: bool,
+                 shared_expert: nn.Module, gemm: str = "auto"):
+        super().__init__()
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.router = nn.Linear(dim, num_experts, bias=False)
+        self.experts = GroupedExperts(num_experts, dim, hidden, gemm)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = nn.Linear(dim, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats]:
+        flat = x.reshape(-1, x.shape[-1])
+        routing = route(flat, self.router.weight, self.top_k, self.norm_topk_prob)
+        routed, counts = routed_experts(flat, routing, self.experts)
+        shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        stats = RoutingStats(counts.float(), routing.probs.sum(dim=0), flat.shape[0])
+        return (routed + shared).view(x.shape), stats
+
+
+def load_balancing_loss(stats: Sequence[RoutingStats], num_experts: int) -> torch.Tensor:
+    """transformers' load_balancing_loss_func (the Switch Transformer loss, arXiv:2101.03961,
+    eq. 4-6) over the MoE layers of one forward: E x sum over experts of (the share of tokens
+    routed to it) x (its mean router probability), both taken over every layer's tokens
+    together. Each token counts (no padding mask: duoka's batches are packed windows).
+    The probabilities are the router's fp32 softmax (transformers recomputes it in the
+    logits' dtype: the same in fp32, a rounding apart in bf16)."""
+    rows = sum(s.tokens for s in stats)
+    counts = torch.stack([s.expert_counts for s in stats]).sum(dim=0)
+    probs = torch.stack([s.prob_sums for s in stats]).sum(dim=0)
+    return num_experts * torch.sum((counts / rows) * (probs / rows))
+
+
+class RoutingRecorder:
+    """One forward's RoutingStats from a model's MoE layers, keyed by layer. The model opens it
+    around its own forward and takes the statistics at the end; a layer run while it is
+    closed (an activation-checkpoint recompute during backward, a block run on its own)
+    records nothing, so no graph outlives the forward that made it. Shared by the model and
+    its blocks from construction. Between forwards it keeps only the last one's per-expert
+    counts (`load`, detached), for the load monitor."""
+
+    def __init__(self):
+        self.open = False
+        self.stats: dict[int, RoutingStats] = {}
+        self.load: dict[int, RoutingStats] = {}
+
+    def start(self) -> None:
+        self.stats.clear()
+        self.open = True
+
+    def record(self, layer_id: int, stats: RoutingStats) -> None:
+        if self.open:
+            self.stats[layer_id] = stats
+
+    def finish(self) -> dict[int, RoutingStats]:
+        stats = dict(self.stats)
+        self.stats.clear()
+        self.open = False
+        self.load = {layer: RoutingStats(s.expert_counts.detach(), s.prob_sums.detach(), s.tokens)
+                     for layer, s in stats.items()}
+        return stats
