@@ -150,6 +150,29 @@ def test_greedy_generation_matches_transformers(hf_moe):
     assert len(set(seq[0, 6:].tolist())) > 2  # a real continuation, not one token repeated
 
 
+def test_the_serving_engine_decodes_as_transformers(hf_moe, tmp_path):
+    """duoka's engine (paged KV cache, continuous batching, packed projections) on a MoE folder:
+    greedy tokens of two requests batched together equal transformers' generate."""
+    import shutil
+
+    from duoka.hub import bundled_model_dir
+    from duoka.serve.engine import LLM
+    from duoka.serve.params import SamplingParams
+
+    hf, folder = hf_moe("topk-normalised-mlp-only-0")
+    served = tmp_path / "served"
+    shutil.copytree(folder, served)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # any tokenizer: the prompts are token ids
+        shutil.copy(bundled_model_dir() / name, served / name)
+    prompts = [tokens(batch=1, seq=6, seed=3)[0].tolist(), tokens(batch=1, seq=9, seed=4)[0].tolist()]
+    outs = LLM(str(served), device="cpu", max_model_len=64, log=lambda m: None).generate(
+        prompts, SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        expected = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, min_new_tokens=10,
+                               pad_token_id=0, eos_token_id=None)[0, len(prompt):].tolist()
+        assert out.token_ids == expected
+
+
 def test_checkpoints_round_trip_through_transformers(hf_moe, tmp_path):
     from transformers import Qwen2MoeForCausalLM
 
