@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 @dataclass(frozen=True)
 class Alert:
     kind: str  # imbalance | throttling | memory | data_wait | low_mfu | nonfinite | loss_spike | straggler
+    #   | expert_collapse
     message: str
 
     def to_dict(self) -> dict:
@@ -93,3 +94,52 @@ def health_alerts(record: dict) -> list[Alert]:
                                        + (", the update was skipped" if skipped else "")
                                        + ": if spikes recur, lower optimizer.lr or look at the data of these steps"))
     return out
+
+
+# Routing collapse (E experts per layer, k per token; effective experts lie between k and E).
+# Below max(2k, E/4) effective experts the router sends the tokens to a small pool as if the
+# rest did not exist (2k: twice the experts each token must pick; E/4: three quarters idle).
+def collapse_floor(num_experts: int, experts_per_tok: int) -> float:
+    return max(2.0 * experts_per_tok, num_experts / 4)
+
+
+# An expert picked by 3 tokens in 4 (share 0.75/k, imbalance 0.75 E/k) is a hot spot whose
+# work every step waits for.
+HOT_SHARE = 0.75
+# A few skewed batches (the first steps, a change of data) are no collapse: it must last.
+COLLAPSE_STEPS = 20
+
+
+class ExpertCollapse:
+    """Alerts (expert_collapse) when a MoE layer's routing stays collapsed for `steps`
+    consecutive steps: its effective experts under collapse_floor, or an expert taking
+    HOT_SHARE of the tokens. Keeps a count per layer across steps, so one per run."""
+
+    def __init__(self, num_experts: int, experts_per_tok: int, aux_loss_coef: float, aux_loss_on: bool,
+                 steps: int = COLLAPSE_STEPS):
+        self.floor = collapse_floor(num_experts, experts_per_tok)
+        self.hot = HOT_SHARE * num_experts / experts_per_tok
+        self.num_experts, self.aux_loss_coef, self.aux_loss_on, self.steps = (
+            num_experts, aux_loss_coef, aux_loss_on, steps)
+        self.in_row: dict[int, int] = {}
+
+    def check(self, record: dict) -> list[Alert]:
+        load = record.get("expert_load")
+        if not load:
+            return []
+        for layer, imbalance, effective in zip(load["layers"], load["imbalance"], load["effective_experts"]):
+            bad = effective < self.floor or imbalance >= self.hot
+            self.in_row[layer] = self.in_row.get(layer, 0) + 1 if bad else 0
+        collapsed = [i for i, layer in enumerate(load["layers"]) if self.in_row[layer] >= self.steps]
+        if not collapsed:
+            return []
+        worst = min(collapsed, key=lambda i: load["effective_experts"][i])
+        layers = [load["layers"][i] for i in collapsed]
+        aux = (f"raise router_aux_loss_coef (now {self.aux_loss_coef:g}; 0.001 to 0.01 is usual)"
+               if self.aux_loss_on else "set output_router_logits=true (now false: no load-balancing loss is "
+                                        "trained) with router_aux_loss_coef about 0.001")
+        return [Alert("expert_collapse",
+                      f"MoE layer(s) {layers}: routing collapsed for {self.steps}+ steps (layer "
+                      f"{load['layers'][worst]}: {load['effective_experts'][worst]:.1f} effective experts of "
+                      f"{self.num_experts}, busiest expert at {load['imbalance'][worst]:.1f}x an even share): {aux} "
+                      "in the model's config.json (model.path), or lower optimizer.lr")]

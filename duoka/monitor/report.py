@@ -104,7 +104,30 @@ def charts(records: list[dict]) -> list[str]:
         n = max(len(x) for x in shares if x)
         out.append(svg_chart("Load-balance shares", {
             f"rank {k}": [(s, x[k] if x else None) for s, x in zip(steps, shares)] for k in range(n)}, "samples"))
+    if any(r.get("expert_load") for r in records):
+        out.append(svg_chart("Expert load (MoE layers)", {
+            "max imbalance": [(s, r["expert_load"]["max_imbalance"] if r.get("expert_load") else None)
+                              for s, r in zip(steps, records)],
+            "min effective experts": [(s, r["expert_load"]["min_effective_experts"] if r.get("expert_load") else None)
+                                      for s, r in zip(steps, records)]}))
     return [c for c in out if c]
+
+
+def expert_load_summary(records: list[dict]) -> str:
+    """A MoE run's expert load at its last step and at its worst (fewest effective experts); "" when dense."""
+    loaded = [r for r in records if r.get("expert_load")]
+    if not loaded:
+        return ""
+
+    def line(r: dict) -> str:
+        load = r["expert_load"]
+        worst = min(range(len(load["layers"])), key=load["effective_experts"].__getitem__)
+        return (f"step {r['step']}: max imbalance {load['max_imbalance']:.2f} (1 = even), fewest effective experts "
+                f"{load['min_effective_experts']:.2f} (layer {load['layers'][worst]})")
+
+    worst = min(loaded, key=lambda r: r["expert_load"]["min_effective_experts"])
+    return (f"Expert load over {len(loaded[-1]['expert_load']['layers'])} MoE layers: final {line(loaded[-1])}; "
+            f"worst {line(worst)}.")
 
 
 def render(run_dir: Path) -> str:
@@ -125,6 +148,7 @@ def render(run_dir: Path) -> str:
     summary = (f"{len(records)} steps recorded, last step {last['step']}: loss {loss}, "
                f"{last['tokens_per_s']:,.0f} tokens/s ({last['tokens_per_s_per_gpu']:,.0f} per GPU), MFU {mfu}, "
                f"{last['tokens']:,} tokens in all.")
+    moe = expert_load_summary(records)
     alert_html = "".join(f"<li><b>{html.escape(k)}</b> (first at step {s}): {html.escape(m)}</li>"
                          for k, (s, m) in alerts.items()) or "<li>none</li>"
     last_json = json.dumps(last).replace("</", "<\\/")  # JSON in a script element: no "</" may close it
@@ -139,6 +163,7 @@ pre {{ background: #f6f6f6; padding: 8px; overflow-x: auto; font-size: 12px; }}
 <h1>duoka run report</h1>
 <p>{html.escape(str(run_dir))}</p>
 <p>{html.escape(summary)}</p>
+{f"<p>{html.escape(moe)}</p>" if moe else ""}
 <h2>Alerts</h2><ul>{alert_html}</ul>
 <h2>Plots</h2><div class="grid">{"".join(charts(records))}</div>
 <h2>Configuration</h2><pre>{html.escape(config)}</pre>

@@ -3,7 +3,7 @@ Prometheus endpoint. All three take the same record (the metrics.jsonl contract 
 `per_rank`, `gpus`, `balance` and `alerts`), so the three sinks never disagree.
 
 Prometheus names follow its conventions: `duoka_*`, base units (seconds, bytes, ratios,
-hertz, watts), labels of low cardinality only (rank, gpu, host, reason, kind). One
+hertz, watts), labels of low cardinality only (rank, gpu, host, reason, kind, layer). One
 endpoint per node, served by the node's first rank and covering the node's ranks; bound to
 127.0.0.1 unless metrics.prometheus_host says otherwise.
 """
@@ -15,6 +15,8 @@ import math
 import socket
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 GIB = 2**30
 
@@ -86,6 +88,15 @@ class TensorBoardSink:
             for rank, speed in enumerate(balance["speed"]):
                 if _finite(speed):
                     add(f"balance/speed/rank{rank}", speed, step)
+        load = r.get("expert_load")
+        if load:  # a MoE run (docs/monitoring.md, "Expert load")
+            add("expert_load/max_imbalance", load["max_imbalance"], step)
+            add("expert_load/min_effective_experts", load["min_effective_experts"], step)
+            for i, layer in enumerate(load["layers"]):
+                add(f"expert_load/imbalance/layer{layer}", load["imbalance"][i], step)
+                add(f"expert_load/effective_experts/layer{layer}", load["effective_experts"][i], step)
+                if "shares" in load:  # E values a layer, on the steps that carry the shares
+                    self.writer.add_histogram(f"expert_load/shares/layer{layer}", np.asarray(load["shares"][i]), step)
         for alert in r.get("alerts", []):
             self.writer.add_text(f"alert/{alert['kind']}", alert["message"], step)
 
@@ -154,6 +165,10 @@ class PrometheusSink:
                           ["rank", "gpu", "host", "reason"])
         self.share = g("duoka_balance_share_samples", "Samples of each global batch given to the rank", rank)
         self.speed = g("duoka_balance_speed_samples_per_second", "Rank's measured forward speed", rank)
+        self.expert_imbalance = g("duoka_expert_imbalance_ratio", "MoE layer's busiest expert share x experts "
+                                                                 "(1: even load)", ["layer"])
+        self.expert_effective = g("duoka_expert_effective_experts", "MoE layer's exp(entropy) of the expert shares",
+                                  ["layer"])
         self.alert = g("duoka_alert", "1 while an alert of this kind is active", ["kind"])
         self.skipped = g("duoka_skipped_steps", "Optimizer updates skipped so far (non-finite loss or gradient "
                                                 "norm, or a skipped loss spike)")
@@ -193,6 +208,10 @@ class PrometheusSink:
                 self.share.labels(str(rank), self.host).set(balance["shares"][rank])
                 if _finite(balance["speed"][rank]):
                     self.speed.labels(str(rank), self.host).set(balance["speed"][rank])
+        load = r.get("expert_load")
+        for i, layer in enumerate(load["layers"] if load else ()):
+            self.expert_imbalance.labels(str(layer)).set(load["imbalance"][i])
+            self.expert_effective.labels(str(layer)).set(load["effective_experts"][i])
         if r.get("health"):
             self.skipped.set(r["health"]["skipped_steps"])
         active = {a["kind"] for a in r.get("alerts", [])}

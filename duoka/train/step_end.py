@@ -29,6 +29,9 @@ class StepEnd:
     samples: int
     memory: dict
     launch_s: float  # host time from the step's start to its last launch
+    # A MoE model's routed assignments [MoE layers, E] over the step's micro-batches on this
+    # rank, in (pinned) host memory like `scalars`; None for a dense model.
+    expert_counts: torch.Tensor | None = None
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:

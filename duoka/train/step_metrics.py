@@ -18,8 +18,9 @@ import torch
 import torch.distributed as dist
 
 from duoka.errors import DuokaError
-from duoka.monitor.alerts import Alert, health_alerts
+from duoka.monitor.alerts import Alert, ExpertCollapse, health_alerts
 from duoka.monitor.alerts import check as check_alerts
+from duoka.monitor.expert_load import summarize as summarize_expert_load
 from duoka.monitor.gpu import GpuSample, GpuSampler, decode_clock_reasons, index_of_uuid, load_nvml
 from duoka.monitor.mfu import mfu
 from duoka.monitor.sinks import MetricsFile, PrometheusSink, TensorBoardSink
@@ -86,10 +87,14 @@ class StepMetrics:
     that node's ranks), alerts and the console line."""
 
     def __init__(self, cfg, run_dir: Path, rank: int, world: int, device: torch.device, n_params: int,
-                 flops_per_token: float, peak: float | None, start_step: int, steps: int, console):
+                 flops_per_token: float, peak: float | None, start_step: int, steps: int, console, moe=None):
+        """moe: a MoE model's ModelArgs (its expert load is summarised and watched); None when dense."""
         self.cfg, self.run_dir, self.rank, self.world, self.device = cfg, run_dir, rank, world, device
         self.n_params, self.flops_per_token, self.peak = n_params, flops_per_token, peak
         self.start_step, self.steps, self.console = start_step, steps, console
+        self.moe_layers = moe.moe_layers if moe is not None else ()
+        self.collapse = (ExpertCollapse(moe.num_experts, moe.num_experts_per_tok, moe.router_aux_loss_coef,
+                                        moe.router_aux_loss) if self.moe_layers else None)
         # The rows travel on the host: a gloo group never queues behind the GPU's work.
         self.group = dist.new_group(backend="gloo")
         self.active_alerts: set[str] = set()
@@ -144,6 +149,20 @@ class StepMetrics:
         dist.all_gather(gathered, row, group=self.group)
         return [RankFigures.unpack(r) for r in gathered]
 
+    def expert_load(self, step: int, counts: torch.Tensor) -> dict:
+        """The step's `expert_load` from this rank's [MoE layers, E] counts: every rank's summed
+        by one all_reduce on the host group, which every rank of a MoE run calls once per step,
+        right after `gather`. Ranks holding the same layer's routing twice (tp ranks) add it
+        to every layer alike: the shares, per layer, are unchanged. Full shares on the steps
+        the console reports (log_interval), to keep metrics.jsonl small."""
+        total = counts.to(torch.float64)  # a copy: the step's own tensor is left as it is
+        dist.all_reduce(total, group=self.group)
+        return summarize_expert_load(total, self.moe_layers, shares=self._reported(step))
+
+    def _reported(self, step: int) -> bool:
+        """The steps with a console line (and the expert load's full shares)."""
+        return step % self.cfg.metrics.log_interval == 0 or step == self.steps or step == self.start_step + 1
+
     def record(self, step: int, ranks: list[RankFigures], tokens_seen: int, lr: float, grad_norm: float) -> dict:
         """The metrics.jsonl line from the gathered figures."""
         slowest = max(r.step_time for r in ranks)  # a synchronous step takes as long as its slowest rank
@@ -185,14 +204,15 @@ class StepMetrics:
             record["alerts"] = self._alerts(record) + [a.to_dict() for a in announced]
         for sink in self.sinks:
             sink.write(record)
-        step = record["step"]
-        if step % self.cfg.metrics.log_interval == 0 or step == self.steps or step == self.start_step + 1:
+        if self._reported(record["step"]):
             self.console.progress(record, self.steps, elapsed, self.start_step)
 
     def _alerts(self, record: dict) -> list[dict]:
         found = health_alerts(record)
         if record["step"] > self.start_step + ALERT_WARMUP_STEPS:
             found += check_alerts(record, self.n_params)
+        if self.collapse is not None:  # needs COLLAPSE_STEPS in a row: no warm-up of its own
+            found += self.collapse.check(record)
         for a in found:
             if a.kind not in self.active_alerts:
                 self.console.print(f"[bold yellow]alert ({a.kind})[/]: {a.message}")

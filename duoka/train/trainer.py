@@ -44,7 +44,8 @@ from duoka.models.qwen2.args import ModelArgs
 from duoka.monitor.mfu import peak_flops
 from duoka.parallel.dims import ParallelDims
 from duoka.parallel.dtensor import full_value
-from duoka.parallel.parallelize import ParallelOptions, check_float8, float8_gathers, precompute_float8_scales
+from duoka.parallel.parallelize import (ParallelOptions, check_float8, float8_gathers, precompute_float8_scales,
+                                        unwrap)
 from duoka.plan.memory import auto_blocks_per_unit
 from duoka.timing import Mark, PhaseTimer
 from duoka.train.adapters import lora_args
@@ -127,7 +128,8 @@ class Trainer:
                           cfg.metrics.peak_tflops)
         self.metrics = StepMetrics(cfg, self.run_dir, self.rank, self.world, device, self.args.num_params(),
                                    self.args.flops_per_token(cfg.training.seq_len, self.lora), peak,
-                                   self.start_step, cfg.training.steps, self.console)
+                                   self.start_step, cfg.training.steps, self.console,
+                                   moe=self.args if self.args.moe_layers else None)
         self.watchdog = Watchdog.start(cfg.reliability, self.run_dir, self.rank, self.world, device.type,
                                        self.start_step, self.console)
 
@@ -294,6 +296,13 @@ class Trainer:
             precompute_float8_scales(self.model)
         return grad_norm, lr
 
+    def _expert_counts(self) -> torch.Tensor | None:
+        """A MoE model's routed assignments [MoE layers, E] over the step's micro-batches on this
+        rank, summed over its pipeline stages (each fills its own layers' rows); None when dense."""
+        parts = self.pipeline.model.parts if self.pipeline is not None else [unwrap(self.model)]
+        counts = [c for c in (part.take_expert_counts() for part in parts) if c is not None]
+        return torch.stack(counts).sum(dim=0) if counts else None
+
     def _step(self, step: int, prefetch: Prefetcher, last_end: Mark, wait: bool) -> StepEnd:
         """Launch one optimizer step; its figures are read later, from the returned StepEnd."""
         t0 = time.perf_counter()
@@ -316,8 +325,10 @@ class Trainer:
             grad_norm, lr = self._optimizer_step(step, loss_sum)
         self.balance.after_optimizer()
         scalars = to_host(torch.stack([loss_sum.double(), grad_norm.double(), local_tokens]))
+        counts = self._expert_counts()  # copied before the step's end mark, as the scalars
         done = StepEnd(step + 1, last_end, Mark(self.device), phases, scalars, lr, t_data,
-                       sum(len(b["tokens"]) for b in host), memory_figures(self.device), time.perf_counter() - t0)
+                       sum(len(b["tokens"]) for b in host), memory_figures(self.device), time.perf_counter() - t0,
+                       None if counts is None else to_host(counts))
         if wait:
             with sync_debug("default"):
                 done.end.wait()
@@ -350,6 +361,9 @@ class Trainer:
         record["phase_s"]["other"] = max(0.0, step_time - sum(record["phase_s"].values()))
         if balance is not None:
             record["balance"] = balance
+        if done.expert_counts is not None:  # every rank of a MoE run, each step, in this place
+            self.watchdog.enter("all_reduce of the expert load", done.step)
+            record["expert_load"] = self.metrics.expert_load(done.step, done.expert_counts)
         self.health.end_step(record)
         self.metrics.publish(record, time.perf_counter() - started, self.watchdog.take_alerts())
         self.checkpointer.finish_if_written_everywhere(all(r.save_done for r in ranks))

@@ -520,6 +520,19 @@ class Qwen2(nn.Module):
         return {layer: s.expert_counts / (s.tokens * self.args.num_experts_per_tok)
                 for layer, s in self.routing.load.items()}
 
+    def take_expert_counts(self) -> torch.Tensor | None:
+        """The routed assignments per expert summed over the forwards since the last call:
+        [len(args.moe_layers), E], one row per MoE layer of the whole model (zeros for the
+        layers this model or pipeline stage did not run), so that every rank's tensor has the
+        same shape for a sum over ranks. None for a dense model."""
+        if self.routing is None:
+            return None
+        totals = self.routing.take_totals()
+        rows = [totals.get(layer) for layer in self.args.moe_layers]
+        device = next(iter(totals.values())).device if totals else next(self.parameters()).device
+        return torch.stack([torch.zeros(self.args.num_experts, device=device) if r is None else r.float()
+                            for r in rows])
+
 
 def build_model(args: ModelArgs, options: ModelOptions = ModelOptions(), device: str | torch.device = "meta",
                 dtype: torch.dtype | None = None, stage: StageSlice | None = None,

@@ -193,12 +193,14 @@ class RoutingRecorder:
     closed (an activation-checkpoint recompute during backward, a block run on its own)
     records nothing, so no graph outlives the forward that made it. Shared by the model and
     its blocks from construction. Between forwards it keeps only the last one's per-expert
-    counts (`load`, detached), for the load monitor."""
+    counts (`load`, detached), for the load monitor, and their sum over the forwards since
+    `take_totals` (a training step's micro-batches or pipeline chunks): E floats per layer."""
 
     def __init__(self):
         self.open = False
         self.stats: dict[int, RoutingStats] = {}
         self.load: dict[int, RoutingStats] = {}
+        self.totals: dict[int, torch.Tensor] = {}
 
     def start(self) -> None:
         self.stats.clear()
@@ -214,4 +216,11 @@ class RoutingRecorder:
         self.open = False
         self.load = {layer: RoutingStats(s.expert_counts.detach(), s.prob_sums.detach(), s.tokens)
                      for layer, s in stats.items()}
+        for layer, s in self.load.items():  # device additions: the host never waits for them
+            self.totals[layer] = self.totals[layer] + s.expert_counts if layer in self.totals else s.expert_counts
         return stats
+
+    def take_totals(self) -> dict[int, torch.Tensor]:
+        """The per-expert counts summed since the last call, per layer; the sum starts again."""
+        totals, self.totals = self.totals, {}
+        return totals
