@@ -39,15 +39,20 @@ def run(llm: LLM, requests: list[tuple[str, list[int], str | None]]) -> dict[str
     return out
 
 
+def strong_adapters(base: Path, shape: str, count: int) -> list[Path]:
+    """Random adapters whose B is 20x the throughput benchmark's: their effect on the output
+    must dwarf bf16's rounding (made once, then reused)."""
+    return [make_adapter(Path(f"/tmp/duoka-models/strong-adapter-{shape}-{i}"), base, i, b_scale=0.2)
+            for i in range(count)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="0.5b")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     base = make_folder(args.shape)
-    # Strong adapters (B 20x the throughput benchmark's): their effect must dwarf bf16's rounding.
-    folders = [make_adapter(Path(f"/tmp/duoka-models/strong-adapter-{args.shape}-{i}"), base, i, b_scale=0.2)
-               for i in range(ADAPTERS)]
+    folders = strong_adapters(base, args.shape, ADAPTERS)
     vocab = json.loads((base / "config.json").read_text())["vocab_size"]
     prompts = loadgen.random_prompts(16, 32, 256, vocab, seed=3)
     requests = [(f"r{i}", p, None if i % 4 == 3 else f"a{i % 4}") for i, p in enumerate(prompts)]

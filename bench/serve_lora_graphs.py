@@ -14,9 +14,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_lora_check import run  # noqa: E402
+from serve_lora_check import run, strong_adapters  # noqa: E402
 from serve_models import make_folder  # noqa: E402
-from serve_openai_mix import make_adapter  # noqa: E402
 
 from duoka.bench import loadgen  # noqa: E402
 from duoka.serve.engine import LLM  # noqa: E402
@@ -32,8 +31,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     base = make_folder(args.shape)
-    folders = [make_adapter(Path(f"/tmp/duoka-models/strong-adapter-{args.shape}-{i}"), base, i, b_scale=0.2)
-               for i in range(2)]
+    folders = strong_adapters(base, args.shape, 2)
     loras = tuple((f"a{i}", str(f)) for i, f in enumerate(folders))
     vocab = json.loads((base / "config.json").read_text())["vocab_size"]
     prompts = loadgen.random_prompts(8, 16, 64, vocab, seed=5)

@@ -4,6 +4,7 @@ writes them, bf16, seed 0, with the bundled tokenizer), and the serving peer's w
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -11,15 +12,12 @@ import torch
 from duoka.hub import bundled_model_dir
 from duoka.bench.loadgen import random_prompts
 
-# The serving peer's shapes (bench/peers/qwen2_shapes.py, which bench/peers/serve_peer.py builds).
-SHAPES = {
-    "0.5b": dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                 intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True),
-    "1.5b": dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                 intermediate_size=8960, vocab_size=151936, tie_word_embeddings=True),
-    "7b": dict(hidden_size=3584, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-               intermediate_size=18944, vocab_size=152064, tie_word_embeddings=False),
-}
+# The serving peer's shapes, from the file bench/peers/serve_peer.py builds them from (its
+# `tiny` shape only checks the peer on a CPU).
+sys.path.insert(0, str(Path(__file__).resolve().parent / "peers"))
+from qwen2_shapes import CONFIGS  # noqa: E402
+
+SHAPES = {name: shape for name, shape in CONFIGS.items() if name != "tiny"}
 
 
 def make_folder(shape: str, root: str | Path = "/tmp/duoka-models") -> Path:

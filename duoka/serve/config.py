@@ -280,12 +280,18 @@ def docs_section(text: str) -> str | None:
     return text[begin:end + len(DOCS_END)]
 
 
-def update_docs(path: Path) -> None:
+def update_section(path: Path, begin: str, end: str, section: str) -> None:
+    """Replace the part of a document between its lines `begin` and `end` (kept, and included
+    in `section`) by `section`: the generated tables of docs/serving.md."""
     text = path.read_text()
-    old = docs_section(text)
-    if old is None:
-        raise SystemExit(f"{path} has no line {DOCS_BEGIN!r} followed by {DOCS_END!r}")
-    path.write_text(text.replace(old, reference_markdown()))
+    first, last = text.find(begin), text.find(end)
+    if first < 0 or last < first:
+        raise SystemExit(f"{path} has no line {begin!r} followed by {end!r}")
+    path.write_text(text[:first] + section + text[last + len(end):])
+
+
+def update_docs(path: Path) -> None:
+    update_section(path, DOCS_BEGIN, DOCS_END, reference_markdown())
 
 
 if __name__ == "__main__":

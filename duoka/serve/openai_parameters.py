@@ -11,6 +11,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from duoka.serve.config import update_section
+
 CHAT, COMPLETIONS, BOTH = "chat", "completions", "chat, completions"
 SUPPORTED, REFUSED, IGNORED = "supported", "refused (400)", "accepted, no effect"
 
@@ -75,11 +77,7 @@ def reference_markdown() -> str:
 
 
 def update_docs(path: Path) -> None:
-    text = path.read_text()
-    begin, end = text.find(DOCS_BEGIN), text.find(DOCS_END)
-    if begin < 0 or end < begin:
-        raise SystemExit(f"{path} has no line {DOCS_BEGIN!r} followed by {DOCS_END!r}")
-    path.write_text(text[:begin] + reference_markdown() + text[end + len(DOCS_END):])
+    update_section(path, DOCS_BEGIN, DOCS_END, reference_markdown())
 
 
 if __name__ == "__main__":
