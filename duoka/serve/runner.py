@@ -21,6 +21,7 @@ from duoka.models import paged_decode
 from duoka.models.qwen2.model import Qwen2
 from duoka.models.qwen2.multi_lora import adapter_ids_of
 from duoka.models.qwen2.paged import PagedBatch
+from duoka.models.quant.small_batch import save_tuned_configs
 from duoka.serve.scheduler import ScheduledItem
 
 # CPU serving is for laptops and tests: without a GPU's memory to fill, the cache takes
@@ -223,6 +224,7 @@ class ModelRunner:
         self.adapter_ids = adapter_ids_of(model)
         if cuda_graphs and self.backend == "cuda":
             self._capture([b for b in GRAPH_BUCKETS if b <= max_num_seqs] or [1])
+            save_tuned_configs()  # what the warm-up tuned (FP8's small-batch kernel): kept for the next start
 
     def _batch(self, x: StepInputs, splits: int) -> PagedBatch:
         return PagedBatch(self.k_caches, self.v_caches, x.slot_mapping, x.block_tables, x.context_lens,

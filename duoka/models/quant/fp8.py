@@ -15,6 +15,11 @@ without torchao's private constructors, and Inductor lowers aten._scaled_mm (tun
 so the layer traces under torch.compile (tested with fullgraph). Anywhere else (CPU, older
 GPUs) forward_reference computes the same function by dequantizing: the two differ only in
 accumulation order.
+
+Steps of at most SMALL_BATCH_ROWS token rows (decode at small batch) take a weight-only
+kernel instead (small_batch.py): bf16 activations against the widened e4m3 weight and its
+row scales, no activation rounding, so within one activation rounding of the above and never
+further from the bf16 model.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch.nn.functional as F
 
 from duoka.errors import DuokaError
 from duoka.models.quant.base import Part, QuantizedLinear, QuantScheme, TensorSource
+from duoka.models.quant.small_batch import SMALL_BATCH_ROWS, build_small_batch_fp8
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0  # torch.finfo(float8_e4m3fn).max; e4m3fn has no infinity (its top code is NaN)
@@ -152,6 +158,8 @@ class Fp8Linear(QuantizedLinear):
         # Decided once where the layer is built (readers build it on its device): forward has
         # no device query, which torch.compile and CUDA graph capture would have to trace.
         self.uses_scaled_mm = scaled_mm_supported(weight.device)
+        self.small_batch = (build_small_batch_fp8(self.weight, self.weight_scale, dtype)
+                            if self.uses_scaled_mm and dtype in (torch.bfloat16, torch.float16) else None)
 
     def extra_repr(self) -> str:
         static = ", static input scale" if self.input_scale is not None else ""
@@ -159,8 +167,24 @@ class Fp8Linear(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.uses_scaled_mm and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            if self.small_batch is not None and x.dtype == self.compute_dtype \
+                    and x.numel() <= SMALL_BATCH_ROWS * self.in_features:
+                return self.forward_small_batch(x)
             return self.forward_scaled_mm(x)
         return self.forward_reference(x)
+
+    def forward_small_batch(self, x: torch.Tensor) -> torch.Tensor:
+        """The weight-only kernel for a few token rows (small_batch.py)."""
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[1] != self.weight.shape[1]:
+            rows = F.pad(rows, (0, self.weight.shape[1] - rows.shape[1]))
+        out = self.small_batch(rows)
+        if out.shape[1] != self.out_features:
+            out = out[:, : self.out_features]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*lead, self.out_features)
 
     def forward_scaled_mm(self, x: torch.Tensor) -> torch.Tensor:
         """The FP8 matmul (torch._scaled_mm; its CPU kernel runs it too, which the tests use)."""
