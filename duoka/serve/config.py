@@ -98,6 +98,10 @@ class EngineConfig:
               "activations; FP8 matmuls on compute capability 8.9+); GPTQ, AWQ and FP8 compressed-tensors folders are "
               "read from their config.json without it",
         flag="--quantization", commands=(SERVE, GENERATE), choices=("fp8",))
+    load_format: str = option(
+        "auto", "auto: the folder's safetensors; dummy: random weights of the folder's config.json made on the "
+                "device (benchmarks of shapes not on disk; the answers mean nothing)",
+        flag="--load-format", commands=(SERVE, GENERATE), choices=("auto", "dummy"))
     max_model_len: int | None = option(None, "longest prompt + output (default: the model's)",
                                        flag="--max-model-len", commands=(SERVE,))
     gpu_memory_utilization: float = option(

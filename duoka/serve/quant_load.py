@@ -18,13 +18,14 @@ import torch.distributed as dist
 from torch import nn
 
 from duoka.errors import DuokaError
-from duoka.models.qwen2.args import ModelArgs, ModelOptions
-from duoka.models.qwen2.hf_adapter import CONFIG_FILE, open_safetensors, refuse_nonfinite, weight_files
-from duoka.models.qwen2.model import Qwen2, build_model, materialize
 from duoka.models.quant.awq import read_awq
 from duoka.models.quant.base import Part, QuantizedLinear, QuantScheme, Reader, TensorSource
 from duoka.models.quant.fp8 import parse_compressed_tensors, quantize_fp8, read_compressed_fp8
 from duoka.models.quant.gptq import read_gptq
+from duoka.models.qwen2.args import ModelArgs, ModelOptions
+from duoka.models.qwen2.hf_adapter import CONFIG_FILE, open_safetensors, refuse_nonfinite, weight_files
+from duoka.models.qwen2.model import Qwen2, build_model, materialize
+from duoka.serve.dummy_weights import fill_random_, random_source
 from duoka.serve.tp_shard import all_reduce_outputs, load_shard, shard_args, shard_range
 
 QUANTIZATIONS = ("fp8",)  # what --quantization quantizes a bf16 checkpoint to at load
@@ -113,16 +114,25 @@ def _without_projections(model: Qwen2) -> Qwen2:
 
 def load_quantized_model(folder: Path, args: ModelArgs, scheme: QuantScheme, device: torch.device,
                          dtype: torch.dtype, options: ModelOptions, check_weights: bool = True,
-                         group=None) -> Qwen2:
+                         group=None, dummy: bool = False) -> Qwen2:
     """The serving model of `folder` with `scheme`'s projections, in eval mode; under tensor
-    parallelism (group) this rank's shard, all-reducing over the group."""
+    parallelism (group) this rank's shard, all-reducing over the group. dummy: random weights
+    (dummy_weights.py) instead of the folder's files, quantized as a checkpoint's would be."""
     tp, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
     model = materialize(_without_projections(build_model(shard_args(args, tp), options)), device, dtype)
-    load_shard(model, folder, args, tp, rank, reference=_without_projections(build_model(args)), allow_unused=True)
-    if check_weights:
-        refuse_nonfinite(folder, model.state_dict())
+    if dummy:
+        if scheme.method != "fp8":
+            raise DuokaError(f"--load-format dummy makes bf16 weights; {folder} is a {scheme.method} checkpoint",
+                             "use a bf16 model's config.json, with --quantization fp8 to measure FP8")
+        fill_random_(model)
+        source = random_source(args, device, dtype)
+    else:
+        load_shard(model, folder, args, tp, rank, reference=_without_projections(build_model(args)),
+                   allow_unused=True)
+        if check_weights:
+            refuse_nonfinite(folder, model.state_dict())
+        source = _source(folder)
     read = reader_for(scheme)
-    source = _source(folder)
     for i, block in model.layers.items():
         for path, pieces, bias in PROJECTIONS:
             parts = [Part(f"model.layers.{i}.{hf}",

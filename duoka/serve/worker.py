@@ -34,12 +34,20 @@ from duoka.models.qwen2.model import Qwen2
 from duoka.models.qwen2.multi_lora import ServedLoRA, add_loras, read_lora
 from duoka.models.qwen2.peft import merge_adapter
 from duoka.serve.config import EngineConfig
+from duoka.serve.dummy_weights import fill_random_
 from duoka.serve.params import MAX_LOGPROBS, SamplingParams
 from duoka.serve.quant_load import check_fits, load_quantized_model, read_scheme, weight_bytes
 from duoka.serve.runner import CacheShape, ModelRunner, StepInputs, available_kv_bytes, cache_shape
 from duoka.serve.sampling import PendingSample, Sampler, SampleRow, TokenMasks
 from duoka.serve.step_channel import broadcast_step, step_group, worker_loop
-from duoka.serve.tp_shard import check_tp_size, load_tp_model, local_kv_heads, shard_range
+from duoka.serve.tp_shard import (
+    all_reduce_outputs,
+    build_shard,
+    check_tp_size,
+    load_tp_model,
+    local_kv_heads,
+    shard_range,
+)
 
 
 class StepRunner(Protocol):
@@ -144,6 +152,8 @@ class Worker:
         self.runner = self.runner_factory(self.model, shape, self.device, self.max_model_len, config.max_num_seqs,
                                           config.cuda_graphs)
         quantized = f", {self.scheme.method} {self.scheme.bits}-bit projections" if self.scheme else ""
+        if config.load_format == "dummy":
+            quantized += ", RANDOM weights (--load-format dummy): for measuring only"
         cache_gib = shape.num_blocks * shape.bytes_per_block / 2**30
         self.log(f"duoka: loaded {self.folder} on {self.device} ({str(self.dtype).removeprefix('torch.')}{quantized}) "
                  f"in {time.perf_counter() - t0:.1f} s; weights {weight_bytes(self.model) / 2**30:.2f} GiB; KV cache "
@@ -160,9 +170,16 @@ class Worker:
         # reading the weights cannot spare.
         compile = self.device.type == "cuda" if config.compile is None else config.compile
         options = ModelOptions(compile="block" if compile else "none", compile_dynamic=True, packed_projections=True)
+        dummy = config.load_format == "dummy"
         if self.scheme is not None:
             model = load_quantized_model(self.folder, self.args, self.scheme, self.device, self.dtype, options,
-                                         config.check_weights, self.group if self.tp > 1 else None)
+                                         config.check_weights, self.group if self.tp > 1 else None, dummy)
+        elif dummy:
+            model = build_shard(self.args, self.tp, self.device, self.dtype, options)
+            fill_random_(model)
+            if self.tp > 1:
+                all_reduce_outputs(model, self.group)
+            model.eval()
         elif self.tp > 1:
             model = load_tp_model(self.folder, self.args, self.group, self.device, self.dtype, options,
                                   config.check_weights)

@@ -178,3 +178,39 @@ def _top5(llm, prompt) -> dict[int, float]:
     engine.add_request("top5", prompt, SamplingParams(max_tokens=1, temperature=0, logprobs=5))
     outs = [o for _ in range(8) for o in engine.step() if o.new_logprobs]
     return dict(outs[0].new_logprobs[0].top)
+
+
+def test_dummy_weights_need_no_weight_files(tiny, tmp_path):
+    """--load-format dummy: the folder's config.json and tokenizer only; random weights made on
+    the device, repeatable, in bf16 or quantized to FP8 at load; a quantized folder is refused."""
+    from duoka.models.quant.fp8 import Fp8Linear
+    from duoka.serve.dummy_weights import random_source
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny / name, bare / name)
+    logs: list[str] = []
+    prompts = [[5, 17, 42, 99, 3]]
+    first = LLM(str(bare), device="cpu", max_model_len=128, log=logs.append, load_format="dummy")
+    assert any("RANDOM weights" in line for line in logs)
+    params = dict(first.engine.worker.model.named_parameters())
+    assert all(bool(torch.isfinite(p).all()) for p in params.values())
+    norm = next(p for n, p in params.items() if n.endswith("attention_norm.weight"))
+    assert bool((norm == 1).all())
+    runs = [_greedy_and_logprobs(bare, prompts, load_format="dummy") for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]["r0"][0]) == 8  # the same weights each time
+    fp8 = LLM(str(bare), device="cpu", max_model_len=128, log=lambda m: None, load_format="dummy",
+              quantization="fp8")
+    assert len([m for m in fp8.engine.worker.model.modules() if isinstance(m, Fp8Linear)]) == 4 * 2
+    args = first.engine.worker.args
+    source = random_source(args, torch.device("cpu"), torch.bfloat16)
+    q = source("model.layers.0.self_attn.q_proj.weight")
+    assert q.shape == (args.n_heads * args.resolved_head_dim, args.dim) and 0.015 < float(q.float().std()) < 0.025
+    assert torch.equal(q, source("model.layers.0.self_attn.q_proj.weight"))
+    assert not torch.equal(q, source("model.layers.1.self_attn.q_proj.weight"))
+    with pytest.raises(KeyError):
+        source("model.layers.0.self_attn.o_proj.bias")  # Qwen2's o projection has none
+    gptq = write_quantized_folder(tiny, tmp_path / "q", "gptq", 4, GROUP, False, seed=3)
+    with pytest.raises(DuokaError, match="--load-format dummy"):
+        LLM(str(gptq), device="cpu", max_model_len=128, log=lambda m: None, load_format="dummy")

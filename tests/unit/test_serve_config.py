@@ -67,10 +67,10 @@ def test_each_command_keeps_its_flags():
                               "--max-model-len", "--gpu-memory-utilization", "--max-queue", "--grace", "--device",
                               "--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--block-size",
                               "--num-kv-blocks", "--no-prefix-caching", "--enforce-eager", "--skip-weight-check",
-                              "--allowed-origins", "--log-requests", "--quantization"}
+                              "--allowed-origins", "--log-requests", "--quantization", "--load-format"}
     assert flags("generate") == {"--model", "--adapter", "--prompt", "--chat", "--system", "--max-new-tokens",
                                  "--temperature", "--top-p", "--top-k", "--seed", "--ignore-eos", "--device",
-                                 "--dtype", "--enforce-eager", "--skip-weight-check", "--quantization"}
+                                 "--dtype", "--enforce-eager", "--skip-weight-check", "--quantization", "--load-format"}
 
 
 @pytest.mark.parametrize("options, message", [
