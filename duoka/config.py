@@ -217,6 +217,11 @@ class ParallelConfig:
                      "model's attention heads and KV heads; best kept within one NVLink domain.", min=1)
     pp: int = opt(1, "Pipeline-parallel degree: the layers split into pp stages (torch.distributed.pipelining).",
                   min=1)
+    ep: int = opt(1, "Expert-parallel degree (mixture-of-experts models): each group of ep neighbouring dp_shard "
+                     "ranks splits every MoE layer's routed experts, num_experts / ep per rank, and exchanges the "
+                     "tokens by all-to-all; the expert weights are FSDP2-sharded over the dp_shard / ep ranks "
+                     "holding the same experts, everything else as without ep. Needs dp_mode=fsdp; must divide "
+                     "dp_shard and the model's num_experts.", min=1)
     pp_schedule: str = opt("1f1b", "Pipeline schedule: gpipe, 1f1b, interleaved_1f1b (needs "
                                    "pp_stages_per_rank >= 2), zero_bubble (interleaved zero-bubble, needs "
                                    "pp_stages_per_rank >= 2).",

@@ -21,6 +21,7 @@ from duoka.config import ParallelConfig
 from duoka.errors import DuokaError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+EXPERT_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,9 @@ class ParallelDims:
     world_size: int
     tp: int = 1
     pp: int = 1
+    ep: int = 1
+    """Expert parallelism: dp_shard splits into dp_shard // ep groups (outer) of ep ranks (inner,
+    neighbours); expert_mesh() names the two."""
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> "ParallelDims":
@@ -71,10 +75,20 @@ class ParallelDims:
                              f"parallel.pp_stages_per_rank={cfg.pp_stages_per_rank}",
                              "use pp_schedule=interleaved_1f1b or zero_bubble for several stages per rank, or set "
                              "pp_stages_per_rank=1")
-        return cls(cfg.dp_mode, rep, shard, world_size, tp, pp)
+        ep = cfg.ep
+        if ep > 1 and (cfg.dp_mode != "fsdp" or shard % ep):
+            raise DuokaError(f"parallel.ep={ep} splits the experts over dp_shard ranks, but dp_mode={cfg.dp_mode} "
+                             f"with dp_shard={shard}",
+                             f"set parallel.dp_mode=fsdp and choose ep from {_divisors(shard)} (dividing dp_shard)")
+        return cls(cfg.dp_mode, rep, shard, world_size, tp, pp, ep)
 
-    def check_model(self, n_heads: int, n_kv_heads: int, n_layers: int, stages_per_rank: int = 1) -> None:
+    def check_model(self, n_heads: int, n_kv_heads: int, n_layers: int, stages_per_rank: int = 1,
+                    num_experts: int = 0) -> None:
         """Refuse a layout the model's shape cannot take, before any worker starts."""
+        if self.ep > 1 and (not num_experts or num_experts % self.ep):
+            fix = (f"use parallel.ep in {[d for d in _divisors(num_experts) if self.dp_shard % d == 0]}"
+                   if num_experts else "set parallel.ep=1 (expert parallelism is for mixture-of-experts models)")
+            raise DuokaError(f"parallel.ep={self.ep} does not divide the model's {num_experts} routed experts", fix)
         if self.tp > 1 and (n_heads % self.tp or n_kv_heads % self.tp):
             valid = [d for d in _divisors(n_kv_heads) if n_heads % d == 0]
             raise DuokaError(
@@ -105,6 +119,12 @@ class ParallelDims:
         sizes = (self.pp, self.dp_replicate, self.dp_shard, self.tp)
         return init_device_mesh(device_type, sizes, mesh_dim_names=MESH_DIMS)
 
+    def expert_mesh(self, device_type: str) -> DeviceMesh:
+        """The mesh the routed experts live on: dp_shard split into (dp_shard_mod_ep, ep), ep
+        inner, so that rank r's ep group is the one its dp_shard coordinate s // ep names."""
+        sizes = (self.pp, self.dp_replicate, self.dp_shard // self.ep, self.ep, self.tp)
+        return init_device_mesh(device_type, sizes, mesh_dim_names=EXPERT_MESH_DIMS)
+
     def coordinates(self, rank: int) -> dict[str, int]:
         """This rank's position along each mesh dimension (row-major, tp fastest)."""
         out = {}
@@ -127,6 +147,7 @@ class ParallelDims:
             dp = f"HSDP {self.dp_replicate} replicas x {self.dp_shard} shards"
         parts = [dp] if self.dp_size > 1 or not self.model_parallel else []
         parts += ([f"TP x{self.tp}"] if self.tp > 1 else []) + ([f"PP x{self.pp}"] if self.pp > 1 else [])
+        parts += [f"EP x{self.ep}"] if self.ep > 1 else []
         return " | ".join(parts)
 
 

@@ -71,7 +71,7 @@ def resolve_run(cfg: Config, world: int, on_gpu: bool, log: Log) -> RunSpec:
     The run directory and the resume point come later, from resolve_resume."""
     args, model_dir, tokenizer_dir = resolve_model(cfg)
     dims = ParallelDims.from_config(cfg.parallel, world)
-    dims.check_model(args.n_heads, args.n_kv_heads, args.n_layers, cfg.parallel.pp_stages_per_rank)
+    dims.check_model(args.n_heads, args.n_kv_heads, args.n_layers, cfg.parallel.pp_stages_per_rank, args.num_experts)
     check_balance_config(cfg.parallel, cfg.debug, dims.model_parallel, dims.tp, dims.pp, dims.dp_size, world)
     check_float8(cfg.training.float8, dims.tp)
     check_moe_layout(cfg, dims, args)
