@@ -1,6 +1,7 @@
 """Apply the parallel layout to a meta-built Qwen2 (or one pipeline stage of it), in
-torchtitan's order: float8 -> tensor parallel plan -> activation checkpointing -> the
-caller's module hooks -> FSDP2 (per unit of blocks, then the root) or DDP.
+torchtitan's order: float8 -> tensor parallel plan -> expert parallelism -> activation
+checkpointing -> the caller's module hooks -> FSDP2 (the experts, per unit of blocks, then
+the root) or DDP.
 
 The model itself stays a plain module configured at construction (ModelOptions: kernels,
 compiled bodies); everything distributed happens here.
@@ -32,6 +33,7 @@ from duoka.errors import DuokaError
 from duoka.models.lora import LoRALinear
 from duoka.models.qwen2.model import Qwen2
 from duoka.parallel.dims import ParallelDims
+from duoka.parallel.expert_parallel import apply_expert_parallel
 
 
 @dataclass(frozen=True)
@@ -228,6 +230,8 @@ def parallelize_qwen2(model: Qwen2, dims: ParallelDims, mesh: DeviceMesh | None,
         convert_to_float8(model, options.float8, dims.fsdp)
     if dims.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
+    expert_mesh = dims.expert_mesh(mesh.device_type) if dims.ep > 1 else None
+    experts = apply_expert_parallel(model, expert_mesh["ep"]) if expert_mesh is not None else []
     if options.activation_checkpointing:
         # The wrapper calls the block's forward, whose compiled body (ModelOptions.compile)
         # is one graph shared by all blocks: compiling the wrapper would guard on each block.
@@ -239,6 +243,8 @@ def parallelize_qwen2(model: Qwen2, dims: ParallelDims, mesh: DeviceMesh | None,
 
     wrapped: nn.Module = model
     if dims.fsdp:
+        if experts:
+            shard_experts_fsdp(experts, dims, expert_mesh, options)
         shard_fsdp(model, dims, mesh, options)
     elif dims.world_size > 1:
         device_ids = [torch.cuda.current_device()] if mesh.device_type == "cuda" else None
@@ -253,6 +259,26 @@ def parallelize_qwen2(model: Qwen2, dims: ParallelDims, mesh: DeviceMesh | None,
     if hooks is not None:
         hooks.after_shard(timed)
     return wrapped
+
+
+def shard_experts_fsdp(experts: list[nn.Module], dims: ParallelDims, expert_mesh: DeviceMesh,
+                       options: ParallelOptions) -> None:
+    """Each MoE layer's expert-parallel experts as an FSDP2 unit of its own, over the ranks
+    holding the same experts (dp_replicate x dp_shard_mod_ep), sharded on dim 1: dim 0 is
+    already the ep shard. Their reduced gradients are divided by the whole data-parallel size
+    like every other parameter's (duoka.parallel.expert_parallel says why)."""
+    mp = MixedPrecisionPolicy(param_dtype=options.compute_dtype, reduce_dtype=torch.float32)
+    dp_mesh = (expert_mesh["dp_shard_mod_ep"] if dims.dp_replicate == 1
+               else expert_mesh["dp_replicate", "dp_shard_mod_ep"])
+    reshard = options.reshard_after_forward and dims.pp == 1
+    for module in experts:
+        fully_shard(module, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard,
+                    shard_placement_fn=lambda param: Shard(1))
+        module.set_gradient_divide_factor(float(dims.dp_size))
+        # gloo has no PREMUL_SUM: sum, then divide. Not on a mesh of one rank, where FSDP2
+        # divides in its copy instead and a forced sum would divide twice (torch 2.13).
+        if expert_mesh.device_type != "cuda" and dp_mesh.size() > 1:
+            module.set_force_sum_reduction_for_comms(True)
 
 
 def shard_fsdp(model: Qwen2, dims: ParallelDims, mesh: DeviceMesh, options: ParallelOptions) -> None:

@@ -28,7 +28,7 @@ from duoka import runtime
 from duoka.config import OptimizerConfig
 from duoka.errors import DuokaError
 from duoka.parallel.dims import ParallelDims
-from duoka.parallel.dtensor import full_value
+from duoka.parallel.dtensor import by_mesh, full_value
 from duoka.parallel.parallelize import unwrap
 
 LOW_BIT = ("adamw8bit", "adamw4bit")
@@ -376,4 +376,5 @@ def clip_to_norm(optimizer: TrainingOptimizer, params: list[nn.Parameter], norm:
     if optimizer.defaults.get("fused"):
         runtime.set_grad_divisor(optimizer, torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0))
     else:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+        for group in by_mesh(params):  # the scale is one tensor, which meets one mesh at a time
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm, foreach=True)

@@ -98,7 +98,7 @@ def resolve_run(cfg: Config, world: int, on_gpu: bool, log: Log) -> RunSpec:
 def check_moe_layout(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
     """What a mixture-of-experts model does not train with yet: tensor and pipeline
     parallelism (no plan for the sparse layers; the load-balancing loss spans every layer),
-    float8 and LoRA."""
+    float8, LoRA, and compiled blocks under expert parallelism."""
     if not args.num_experts:
         return
     name = cfg.model.path or cfg.model.flavor
@@ -107,6 +107,9 @@ def check_moe_layout(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
         (dims.pp > 1, f"parallel.pp={dims.pp}", "train it with data parallelism (FSDP2 or DDP): set parallel.pp=1"),
         (cfg.training.float8 != "none", f"training.float8={cfg.training.float8}", "set training.float8=none"),
         (cfg.lora.rank > 0, f"LoRA (lora.rank={cfg.lora.rank})", "set lora.rank=0: train the whole model"),
+        (dims.ep > 1 and cfg.training.compile is True, f"training.compile=true and parallel.ep={dims.ep} (the "
+         "token dispatch reads the all-to-all's sizes on the host, which a block compiled as one graph cannot hold)",
+         "set training.compile=auto (off under expert parallelism) or parallel.ep=1"),
     ]
     for refused, what, fix in refusals:
         if refused:

@@ -43,7 +43,7 @@ from duoka.models.loss import IGNORE_INDEX, compiled_cross_entropy_sum, cross_en
 from duoka.models.qwen2.args import ModelArgs
 from duoka.monitor.mfu import peak_flops
 from duoka.parallel.dims import ParallelDims
-from duoka.parallel.dtensor import full_value
+from duoka.parallel.dtensor import full_value, total_norm
 from duoka.parallel.parallelize import (ParallelOptions, check_float8, float8_gathers, precompute_float8_scales,
                                         unwrap)
 from duoka.plan.memory import auto_blocks_per_unit
@@ -175,7 +175,7 @@ class Trainer:
         """training.compile for this device, checked on every rank before the model exists
         (duoka.train.compile_check): False on all ranks where it failed on any."""
         cfg, dims, device = self.cfg, self.dims, self.device
-        if not compile_wanted(cfg.training.compile, device):
+        if not compile_wanted(cfg.training.compile, device, dims.ep):
             return False
         # The check runs the block as the step will: FSDP2 casts the parameters to the
         # compute dtype, DDP keeps them fp32 under autocast.
@@ -275,8 +275,7 @@ class Trainer:
     def _clip_gradients(self, max_norm: float) -> torch.Tensor:
         """Clip to one global L2 norm over the model, each parameter counted once: across tp
         and dp shards (DTensor), across pipeline stages (squares summed over the pp group)."""
-        norm = full_value(torch.nn.utils.get_total_norm([p.grad for p in self.norm_params if p.grad is not None],
-                                                        foreach=True))
+        norm = total_norm([p.grad for p in self.norm_params if p.grad is not None])
         if self.dims.pp > 1:
             squared = norm.float() ** 2
             dist.all_reduce(squared, group=self.mesh["pp"].get_group())

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from duoka.models.qwen2.args import MOE_GEMMS
 
@@ -128,7 +129,10 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        w1, w3, w2 = self.w1, self.w3, self.w2
+        """x: rows grouped by expert, counts[e] rows for expert e. Under expert parallelism
+        (duoka.parallel.expert_parallel) the weights are DTensors of this rank's experts and
+        x and counts arrive already dispatched to them."""
+        w1, w3, w2 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w3, self.w2))
         if torch.is_autocast_enabled(x.device.type):
             # grouped_mm is not autocast-aware: run it in the autocast dtype, as F.linear would.
             dtype = torch.get_autocast_dtype(x.device.type)
