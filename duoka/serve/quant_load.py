@@ -84,6 +84,17 @@ def _folder_scheme(folder: Path, qc: dict) -> QuantScheme:
                      "checkpoint with --quantization fp8")
 
 
+def check_quantizable(args: ModelArgs, scheme: QuantScheme | None, folder: Path) -> None:
+    """Refuse a quantized mixture-of-experts model before anything loads: the quantized loader
+    replaces a dense layer's four projections, and a MoE layer has none of them (its experts
+    are stacked tensors, its MLP no gate_proj), so it would fail on a missing tensor."""
+    if scheme is not None and args.num_experts:
+        raise DuokaError(f"{folder} is a mixture-of-experts model (qwen2_moe); quantized serving ({scheme.method}) "
+                         "covers dense Qwen2 projections only, not MoE experts",
+                         "serve its unquantized (bf16) checkpoint without --quantization, over several GPUs "
+                         "(--tp N) if it does not fit one")
+
+
 def reader_for(scheme: QuantScheme) -> Reader:
     return {"gptq": read_gptq, "awq": read_awq, "fp8": quantize_fp8}.get(scheme.method, read_compressed_fp8)
 
@@ -118,6 +129,7 @@ def load_quantized_model(folder: Path, args: ModelArgs, scheme: QuantScheme, dev
     """The serving model of `folder` with `scheme`'s projections, in eval mode; under tensor
     parallelism (group) this rank's shard, all-reducing over the group. dummy: random weights
     (dummy_weights.py) instead of the folder's files, quantized as a checkpoint's would be."""
+    check_quantizable(args, scheme, folder)
     tp, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
     model = materialize(_without_projections(build_model(shard_args(args, tp), options)), device, dtype)
     if dummy:
@@ -171,14 +183,14 @@ def _bytes_per_weight(scheme: QuantScheme | None) -> float:
 
 
 def estimated_weight_bytes(args: ModelArgs, scheme: QuantScheme | None, tp: int = 1) -> int:
-    """One rank's weights under `scheme`: its share of the projections, the embedding, the head
-    and the norms whole (as tp_shard lays them out), in bf16 but for the projections."""
+    """One rank's weights under `scheme`: its share of the projections (a MoE model's: every
+    expert's, its router and gates with them), the embedding, the head and the norms whole (as
+    tp_shard lays them out), in bf16 but for the projections."""
     hd = args.resolved_head_dim
-    per_layer = (args.dim * (args.n_heads + 2 * args.n_kv_heads) * hd + args.n_heads * hd * args.dim
-                 + 3 * args.dim * args.intermediate_size)
+    attention = args.dim * (args.n_heads + 2 * args.n_kv_heads) * hd + args.n_heads * hd * args.dim
     width = _bytes_per_weight(scheme)
     rest = args.vocab_size * args.dim * (1 if args.tie_word_embeddings else 2) + args.n_layers * 2 * args.dim
-    return int(args.n_layers * per_layer / tp * width + rest * 2)
+    return int((args.n_layers * attention + args.mlp_params()) / tp * width + rest * 2)
 
 
 def check_fits(args: ModelArgs, scheme: QuantScheme | None, tp: int, device: torch.device,

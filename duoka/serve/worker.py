@@ -36,7 +36,13 @@ from duoka.models.qwen2.peft import merge_adapter
 from duoka.serve.config import EngineConfig
 from duoka.serve.dummy_weights import fill_random_
 from duoka.serve.params import MAX_LOGPROBS, SamplingParams
-from duoka.serve.quant_load import check_fits, load_quantized_model, read_scheme, weight_bytes
+from duoka.serve.quant_load import (
+    check_fits,
+    check_quantizable,
+    load_quantized_model,
+    read_scheme,
+    weight_bytes,
+)
 from duoka.serve.runner import CacheShape, ModelRunner, StepInputs, available_kv_bytes, cache_shape
 from duoka.serve.sampling import PendingSample, Sampler, SampleRow, TokenMasks
 from duoka.serve.step_channel import broadcast_step, step_group, worker_loop
@@ -123,6 +129,7 @@ class Worker:
         # The folder's quantization (GPTQ, AWQ, FP8 checkpoints) or --quantization's; checked
         # against the device's memory before anything loads.
         self.scheme = read_scheme(self.folder, config.quantization)
+        check_quantizable(self.args, self.scheme, self.folder)
         if self.scheme is not None and (config.adapter is not None or config.loras):
             raise DuokaError(f"LoRA adapters on a quantized model ({self.scheme.method}) are not supported yet",
                              "serve the adapters on the bf16 model, or merge them first (duoka export --merge) and "

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from duoka.errors import DuokaError
-from duoka.models.qwen2.args import from_hf_config
+from duoka.models.qwen2.args import FLAVORS, from_hf_config
 from duoka.models.qwen2.hf_adapter import open_safetensors, weight_files
 from duoka.models.quant.base import QuantScheme
 from duoka.models.quant.folders import PROJECTION_SUFFIXES, write_quantized_folder
 from duoka.serve.engine import LLM
 from duoka.serve.params import SamplingParams
-from duoka.serve.quant_load import estimated_weight_bytes, read_scheme
+from duoka.serve.quant_load import check_quantizable, estimated_weight_bytes, read_scheme
 
 QWEN2_7B = {"model_type": "qwen2", "hidden_size": 3584, "num_hidden_layers": 28, "num_attention_heads": 28,
             "num_key_value_heads": 4, "intermediate_size": 18944, "vocab_size": 152064, "tie_word_embeddings": False,
@@ -62,6 +62,18 @@ def test_the_weight_estimate_matches_the_published_sizes():
     bf16, fp8, int4 = (estimated_weight_bytes(args, s) / 1e9 for s in schemes)
     assert 15.0 < bf16 < 15.5 and 8.5 < fp8 < 8.9 and 5.2 < int4 < 5.8
     assert estimated_weight_bytes(args, None, tp=2) < 0.6 * estimated_weight_bytes(args, None)
+
+
+def test_a_moe_model_counts_every_expert_and_is_served_unquantized_only(tmp_path):
+    """Qwen1.5-MoE-A2.7B: 14.3B parameters, ~28.6 GB in bf16 (all 60 experts per layer). The
+    quantized loader reads dense projections only: a MoE model is refused before loading."""
+    args = FLAVORS["qwen2-moe-a2.7b"]
+    assert 28.0 < estimated_weight_bytes(args, None) / 1e9 < 29.5
+    check_quantizable(args, None, tmp_path)
+    check_quantizable(from_hf_config(QWEN2_7B), QuantScheme("fp8"), tmp_path)
+    with pytest.raises(DuokaError, match="mixture-of-experts model") as e:
+        check_quantizable(args, QuantScheme("fp8"), tmp_path)
+    assert "without --quantization" in e.value.fix
 
 
 # ---------------------------------------------------------------- tiny checkpoints end to end

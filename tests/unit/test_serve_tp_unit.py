@@ -21,6 +21,7 @@ from duoka.serve.tp_shard import (
     load_shard,
     local_kv_heads,
     shard_args,
+    shard_range,
     valid_tp_sizes,
 )
 
@@ -38,9 +39,11 @@ def test_qwen2_1_5b_splits_over_4_with_replicated_kv_heads_but_not_over_5():
 
 
 @pytest.mark.parametrize("flavor, sizes", [("qwen2-7b", [1, 2, 4]), ("qwen2-72b", [1, 2, 4, 8, 16, 32, 64]),
-                                           ("qwen2-0.5b", [1, 2])])
+                                           ("qwen2-0.5b", [1, 2]), ("qwen2-moe-a2.7b", [1, 2, 4, 8, 16]),
+                                           ("qwen2-57b-a14b", [1, 2, 4])])
 def test_valid_sizes_of_published_shapes(flavor, sizes):
     # 7B: 28 heads but 4 KV heads and an MLP of 18944 = 2^9 x 37, so neither 7 nor 8.
+    # MoE-A2.7B: 16 heads, experts 1408 = 2^7 x 11 wide; 57B-A14B: its 7-way heads, not its experts (2560).
     assert valid_tp_sizes(FLAVORS[flavor]) == sizes
 
 
@@ -56,6 +59,26 @@ def test_a_shard_is_a_model_of_the_shard_sizes():
     assert (local.n_heads, local.n_kv_heads, local.intermediate_size) == (7, 1, 4736)
     assert local.resolved_head_dim == args.resolved_head_dim == 128
     assert [kv_head_range(args, 2, r) for r in range(2)] == [(0, 2), (2, 4)]
+
+
+def test_a_moe_shard_splits_every_expert_by_width():
+    """Routed experts [E, out, in] by each expert's rows (gate/up) or columns (down), the shared
+    expert as a dense MLP; the router and the shared expert's gate whole on every rank."""
+    args = FLAVORS["qwen2-57b-a14b"]  # every layer sparse: 64 experts 2560 wide, a shared expert 20480 wide
+    local = shard_args(args, 4)
+    assert (local.num_experts, local.moe_intermediate_size, local.shared_expert_intermediate_size) == (64, 640, 5120)
+    assert local.intermediate_size == args.intermediate_size  # no dense layer uses it: left whole
+    assert shard_range("layers.3.feed_forward.experts.w1", args, 4, 1) == (1, 640, 1280)
+    assert shard_range("layers.3.feed_forward.experts.w3", args, 4, 1) == (1, 640, 1280)
+    assert shard_range("layers.3.feed_forward.experts.w2", args, 4, 1) == (2, 640, 1280)
+    assert shard_range("layers.3.feed_forward.shared_expert.w1.weight", args, 4, 3) == (0, 15360, 20480)
+    assert shard_range("layers.3.feed_forward.shared_expert.w2.weight", args, 4, 3) == (1, 15360, 20480)
+    assert shard_range("layers.3.feed_forward.router.weight", args, 4, 1) is None
+    assert shard_range("layers.3.feed_forward.shared_expert_gate.weight", args, 4, 1) is None
+    with pytest.raises(DuokaError) as e:
+        check_tp_size(FLAVORS["qwen2-moe-tiny"].replace(shared_expert_intermediate_size=126), 4)
+    assert "shared expert's width (shared_expert_intermediate_size) 126 is not divisible by 4" in e.value.cause
+    assert e.value.fix.endswith(": 1, 2")
 
 
 def test_a_checkpoint_of_another_shape_is_refused_before_loading(tmp_path):

@@ -88,8 +88,9 @@ def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
         index = x.device.index if x.device.index is not None else torch.cuda.current_device()
         aligned = all(n % 8 == 0 for n in weight.shape[1:])
         return x.dtype == torch.bfloat16 and aligned and _cuda_capability(index) >= (8, 0)
-    if x.device.type == "cpu":
-        return x.dtype == torch.bfloat16 or (x.dtype == torch.float32 and not torch.compiler.is_compiling())
+    if x.device.type == "cpu":  # bf16 rows 16-byte aligned too (a tp shard of width 12 is not)
+        aligned = all(n % 8 == 0 for n in weight.shape[1:])
+        return (x.dtype == torch.bfloat16 and aligned) or (x.dtype == torch.float32 and not torch.compiler.is_compiling())
     return False
 
 
