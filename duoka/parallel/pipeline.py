@@ -28,7 +28,8 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from duoka.models.qwen2.args import ModelArgs, ModelOptions
-from duoka.models.qwen2.model import Qwen2, StageSlice, TransformerBlock, build_model, rope_cos_sin
+from duoka.models.qwen2.model import Qwen2, StageSlice, TransformerBlock, build_model
+from duoka.models.qwen2.rope import rope_cos_sin
 from duoka.parallel.dtensor import local_value
 from duoka.timing import median_seconds
 
@@ -45,7 +46,8 @@ def measure_stage_costs(args: ModelArgs, micro_batch: int, seq_len: int, device:
     block = TransformerBlock(args).to(device=device, dtype=dtype)
     head = torch.nn.Linear(args.dim, args.vocab_size, bias=False).to(device=device, dtype=dtype)
     x = torch.randn(micro_batch, seq_len, args.dim, device=device, dtype=dtype, requires_grad=True)
-    rope = rope_cos_sin(torch.arange(seq_len, device=device), args.resolved_head_dim, args.rope_theta, dtype)
+    rope = rope_cos_sin(torch.arange(seq_len, device=device), args.resolved_head_dim, args.rope_theta, dtype,
+                        args.rope_scaling, args.max_seq_len)
     labels = torch.randint(0, args.vocab_size, (micro_batch * seq_len,), device=device)
 
     layer = median_seconds(lambda: block(x, rope).sum().backward(), device, repeats, warmup=1)

@@ -110,7 +110,7 @@ class Worker:
                              "run `nvidia-smi` to check the driver, or use --device cpu")
         self.dtype = getattr(torch, compute_dtype_name(config.dtype, self.device.type))
         self.args = read_config(self.folder)
-        context = self.args.max_seq_len
+        context = self.args.context_len  # a YaRN config: the scaled context
         if config.max_model_len is not None and config.max_model_len > context:
             raise DuokaError(f"--max-model-len {config.max_model_len} is longer than the model's context of "
                              f"{context} tokens", f"use --max-model-len {context} or less")

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from duoka.cache import INDUCTOR_CACHE_ENV
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import ModelArgs, ModelOptions
-from duoka.models.qwen2.model import TransformerBlock, document_mask, rope_cos_sin
+from duoka.models.qwen2.model import TransformerBlock, document_mask
+from duoka.models.qwen2.rope import rope_cos_sin
 
 # The check's input: two rows of two documents each, long enough for every attention kernel.
 CHECK_BATCH, CHECK_SEQ = 2, 64

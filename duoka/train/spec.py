@@ -83,9 +83,11 @@ def resolve_run(cfg: Config, world: int, on_gpu: bool, log: Log) -> RunSpec:
             "but the adapter means nothing outside this run; set model.path to fine-tune a real model")
     failing_ranks(cfg.debug.fail_compile_ranks, world)
     micro_batch, blocks_per_unit, stage_layers = _batch_layout(cfg, args, dims)
-    if cfg.training.seq_len > args.max_seq_len:
-        raise DuokaError(f"training.seq_len={cfg.training.seq_len} exceeds the model's {args.max_seq_len} positions",
-                         f"use training.seq_len <= {args.max_seq_len}")
+    if cfg.training.seq_len > args.context_len:
+        raise DuokaError(f"training.seq_len={cfg.training.seq_len} exceeds the model's {args.context_len} positions",
+                         f"use training.seq_len <= {args.context_len}, or a config.json whose rope_scaling extends "
+                         "the context (Qwen's YaRN: {\"type\": \"yarn\", \"factor\": 4.0, "
+                         "\"original_max_position_embeddings\": 32768} for 131072)")
     token_file, files, end_of_text = resolve_data(cfg, args, tokenizer_dir, log)
     base = adapters.base_identity(model_dir, args, cfg.training.seed) if lora is not None else None
     return RunSpec(config=cfg.to_dict(), run_dir="", model_args=asdict(args), world_size=world,

@@ -85,7 +85,7 @@ def _cfg(**changes):
     ({"model_type": "qwen2_moe"}, "model_type"),
     ({"model_type": "llama"}, "model_type"),
     ({"architectures": ["Qwen2ForSequenceClassification"]}, "architectures"),
-    ({"rope_scaling": {"type": "yarn", "factor": 4.0}}, "rope_scaling"),
+    ({"rope_scaling": {"type": "longrope", "factor": 4.0}}, "rope_scaling"),
     ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e6}}, "rope_parameters"),
     ({"hidden_act": "gelu"}, "hidden_act"),
 ])

@@ -19,6 +19,7 @@ from typing import Any
 
 from duoka.errors import DuokaError
 from duoka.models.lora import LoRAArgs
+from duoka.models.qwen2.rope import NO_ROPE_SCALING, RopeScaling, read_rope_scaling
 
 
 @dataclass(frozen=True)
@@ -37,9 +38,11 @@ class ModelArgs:
     intermediate_size: int = 4864
     """Width of the SwiGLU MLP."""
     rope_theta: float = 1_000_000.0
+    rope_scaling: RopeScaling = NO_ROPE_SCALING
+    """The config's rope_scaling (YaRN, linear, llama3; duoka.models.qwen2.rope); default: none."""
     norm_eps: float = 1e-6
     max_seq_len: int = 32768
-    """Longest position the model was trained for (HF max_position_embeddings)."""
+    """HF max_position_embeddings; the longest sequence served or trained is context_len."""
     tie_word_embeddings: bool = True
     """Output head shares the input embedding matrix (Qwen2 up to 3B)."""
     bos_token_id: int | None = None
@@ -72,8 +75,11 @@ class ModelArgs:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_size"):
             if getattr(self, name) <= 0:
                 raise DuokaError(f"model argument {name}={getattr(self, name)} must be positive")
-        # A list from JSON or a TOML file becomes the tuple a frozen dataclass compares and hashes.
+        # A list from JSON or a TOML file becomes the tuple a frozen dataclass compares and hashes;
+        # a dict (asdict's form in a run's spec and checkpoints) the RopeScaling it was.
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        if isinstance(self.rope_scaling, dict):
+            object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
         if self.num_experts:
             self._check_moe()
         if self.n_heads % self.n_kv_heads:
@@ -113,6 +119,12 @@ class ModelArgs:
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+    @property
+    def context_len(self) -> int:
+        """The longest sequence the positions serve: max_seq_len, or the scaled context that
+        the rope scaling gives (Qwen's YaRN factor 4 over 32,768: 131,072)."""
+        return self.rope_scaling.context_length(self.max_seq_len)
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether decoder layer `layer` (from 0) has the sparse MLP: transformers' rule."""
@@ -352,14 +364,9 @@ def from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArg
 
     # transformers >= 5 writes rope_parameters; older files write rope_theta + rope_scaling.
     rope = cfg.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    scaling = cfg.get("rope_scaling")
-    if scaling:
-        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
-    if rope_type != "default":
-        field = "rope_scaling" if scaling else "rope_parameters"
-        raise refuse(field, f"asks for {rope_type!r} RoPE scaling, which is not implemented",
-                     f"remove {field} (or set its rope_type to 'default') to run at the native context length")
+    scaling_cfg = cfg.get("rope_scaling")
+    field = "rope_scaling" if scaling_cfg else "rope_parameters"
+    rope_scaling = read_rope_scaling(scaling_cfg or rope, f"{source}: {field}")
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
 
     try:
@@ -374,6 +381,7 @@ def from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArg
             head_dim=cfg.get("head_dim"),
             intermediate_size=int(cfg["intermediate_size"]),
             rope_theta=float(theta),
+            rope_scaling=rope_scaling,
             norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_seq_len=int(cfg.get("max_position_embeddings", 32768)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
@@ -428,7 +436,7 @@ def to_hf_config(args: ModelArgs, dtype: str | None = None) -> dict[str, Any]:
         "initializer_range": args.initializer_range,
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        "rope_parameters": args.rope_scaling.to_config(args.rope_theta),
         "tie_word_embeddings": args.tie_word_embeddings,
         "use_sliding_window": False,
         "sliding_window": None,

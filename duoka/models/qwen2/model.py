@@ -43,6 +43,7 @@ from duoka.models.loss import IGNORE_INDEX, chunked_cross_entropy
 from duoka.models.qwen2.args import DOCUMENT_MASKING, ModelArgs, ModelOptions
 from duoka.models.qwen2.moe import MoE, RoutingRecorder, RoutingStats, load_balancing_loss
 from duoka.models.qwen2.paged import PagedBatch, causal_varlen, paged_attention
+from duoka.models.qwen2.rope import apply_rope, rope_cos_sin
 
 
 def write_full_(param: torch.Tensor, full: torch.Tensor) -> None:
@@ -75,27 +76,6 @@ class RMSNorm(nn.Module):
 
     def reset_parameters(self):
         nn.init.ones_(self.weight)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin tables for the given positions, shape [..., seq, head_dim].
-
-    Computed from positions on every call (a few KB) instead of a cached buffer, so there
-    is no buffer to re-create after `to_empty` and packed sequences whose positions
-    restart per document need nothing special. Angles are fp32, then cast, as in HF."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions.float()[..., None] * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [batch, heads, seq, head_dim]; cos/sin: [seq, head_dim] or [batch, seq, head_dim]."""
-    if cos.dim() == 3:
-        cos, sin = cos[:, None], sin[:, None]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 # ---------------------------------------------------------------- document masking
@@ -471,7 +451,9 @@ class Qwen2(nn.Module):
         h = self.tok_embeddings(tokens) if self.takes_tokens else tokens
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=h.device)
-        rope = rope_cos_sin(positions, self.args.resolved_head_dim, self.args.rope_theta, h.dtype)
+        args = self.args
+        rope = rope_cos_sin(positions, args.resolved_head_dim, args.rope_theta, h.dtype, args.rope_scaling,
+                            args.max_seq_len)
         mask = paged
         if document_ids is not None:
             mask = document_mask(document_ids, self.options.document_masking, cu_seqlens)
