@@ -14,6 +14,7 @@ from dataclasses import replace
 
 from duoka.models.qwen2.args import ModelArgs
 from duoka.plan.memory import Layout
+from duoka.plan.moe import expert_degrees, is_moe
 
 TP_SIZES = (1, 2, 4, 8)
 # The families, simplest first (the order `simplicity` sorts in): each step to the right adds
@@ -36,9 +37,10 @@ def family(layout: Layout) -> str:
 
 
 def simplicity(layout: Layout) -> tuple:
-    """Sort key, simplest first: ddp > fsdp > hsdp > tp > pp, then smaller degrees."""
+    """Sort key, simplest first: ddp > fsdp > hsdp > tp > pp, then a smaller ep (its
+    all-to-alls add to the critical path), then smaller degrees."""
     dp = {"ddp": 0, "fsdp": 1}[layout.dp_mode] + (1 if layout.dp_mode == "fsdp" and layout.dp_replicate > 1 else 0)
-    return (layout.pp > 1, layout.tp > 1, dp, layout.tp, layout.pp, layout.stages_per_rank)
+    return (layout.pp > 1, layout.tp > 1, dp, layout.ep, layout.tp, layout.pp, layout.stages_per_rank)
 
 
 def enumerate_layouts(args: ModelArgs, gpus: int, gpus_per_node: int) -> list[Layout]:
@@ -46,13 +48,15 @@ def enumerate_layouts(args: ModelArgs, gpus: int, gpus_per_node: int) -> list[La
     1/2/4/8 dividing the attention and KV heads, within one node; pp dividing the GPUs
     with at least one layer per stage (1F1B, and interleaved with 2 stages per rank);
     the remaining ranks data-parallel as ddp, fsdp, or hsdp (every replicas x shards
-    split)."""
+    split). A mixture-of-experts model: data parallelism only (the trainer refuses tp and
+    pp for it), each fsdp/hsdp layout with every ep dividing dp_shard and num_experts."""
     out = []
+    moe = is_moe(args)
     for tp in TP_SIZES:
-        if gpus % tp or args.n_heads % tp or args.n_kv_heads % tp or tp > gpus_per_node:
+        if gpus % tp or args.n_heads % tp or args.n_kv_heads % tp or tp > gpus_per_node or (moe and tp > 1):
             continue
         for pp in _divisors(gpus // tp):
-            if pp > args.n_layers:
+            if pp > args.n_layers or (moe and pp > 1):
                 continue
             d = gpus // (tp * pp)
             if pp > 1:
@@ -64,6 +68,7 @@ def enumerate_layouts(args: ModelArgs, gpus: int, gpus_per_node: int) -> list[La
                 if d > 1:
                     fsdp = [Layout("fsdp", 1, d, tp, pp, sched, v)]
                     fsdp += [Layout("fsdp", r, d // r, tp, pp, sched, v) for r in _divisors(d) if 1 < r < d]
+                    fsdp = [replace(x, ep=ep) for x in fsdp for ep in expert_degrees(args, x.dp_shard)]
                     # Keeping blocks gathered from forward to backward (ZeRO-2-like) saves the
                     # backward's all-gathers for the gathered weights' memory; under pp the
                     # trainer keeps stages gathered anyway.

@@ -37,6 +37,14 @@ matrices of width I instead of two of 4h), and the RMSNorm keeps an fp32 copy. T
 sequence-parallel result carries over: under tp every saved tensor is divided by tp except
 the all-gathered inputs of the column-parallel projections.
 
+A mixture-of-experts model (duoka.plan.moe): its routed experts' fp32 weights, gradients and
+optimizer state are divided by ep and then by the dp_shard / ep ranks FSDP2 shards them
+over (experts / dp_shard per rank, as without ep), the rest by dp_shard; what FSDP2 holds
+unsharded (gathered bf16 blocks, gradients while accumulating, reduce-scatter buffers) has
+num_experts / ep experts per layer. A MoE layer saves its k routed copies of each token, their
+SwiGLU intermediates, the shared expert's and the router's probabilities; under ep one
+layer's dispatch buffers are in flight in its backward. Not yet measured on a GPU.
+
 Checked against 23 peaks measured on H200 (0.5B to 7B, one and two GPUs, DDP, FSDP2, tp
 and pp, with and without checkpointing and accumulation): all within 2%
 (bench/results/plan_memory.md; tests/unit/test_planner.py keeps them).
@@ -50,6 +58,14 @@ from dataclasses import asdict, dataclass, field
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import ModelArgs
 from duoka.models.qwen2.stages import stage_layer_counts
+from duoka.plan.moe import (
+    all_to_all_buffers,
+    check_moe_layout,
+    expert_split,
+    is_moe,
+    moe_backward_transient,
+    moe_saved_per_token,
+)
 from duoka.plan.optimizer_costs import ADAMW, OptimizerChoice, rank_footprint
 
 GIB = 2**30
@@ -85,7 +101,8 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 @dataclass(frozen=True)
 class Layout:
     """A parallel layout, with the same names and meaning as the [parallel] config section:
-    world = dp_replicate x dp_shard x tp x pp."""
+    world = dp_replicate x dp_shard x tp x pp; ep (expert parallelism, mixture-of-experts
+    models) splits dp_shard into dp_shard / ep groups of ep neighbours (duoka.plan.moe)."""
 
     dp_mode: str = "ddp"
     dp_replicate: int = 1
@@ -95,6 +112,7 @@ class Layout:
     pp_schedule: str = "1f1b"
     pp_stages_per_rank: int = 1
     reshard_after_forward: bool = True
+    ep: int = 1
 
     def __post_init__(self):
         if self.dp_mode not in ("ddp", "fsdp"):
@@ -103,9 +121,12 @@ class Layout:
             raise DuokaError(f"dp_shard={self.dp_shard} needs dp_mode=fsdp (ddp does not shard)")
         if self.pp_schedule not in PP_SCHEDULES:
             raise DuokaError(f"pp_schedule={self.pp_schedule!r} is unknown", f"choose one of {', '.join(PP_SCHEDULES)}")
-        for name in ("dp_replicate", "dp_shard", "tp", "pp", "pp_stages_per_rank"):
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "pp_stages_per_rank", "ep"):
             if getattr(self, name) < 1:
                 raise DuokaError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.ep > 1 and (self.dp_mode != "fsdp" or self.dp_shard % self.ep):
+            raise DuokaError(f"ep={self.ep} splits the experts over dp_shard ranks, but dp_mode={self.dp_mode} with "
+                             f"dp_shard={self.dp_shard}", "use dp_mode=fsdp and an ep dividing dp_shard")
 
     @property
     def world_size(self) -> int:
@@ -131,10 +152,15 @@ class Layout:
     def stages_per_rank(self) -> int:
         return self.pp_stages_per_rank if self.pp > 1 else 1
 
+    @property
+    def expert_shard(self) -> int:
+        """Ranks FSDP2 shards the routed experts over: the dp_shard / ep holding the same experts."""
+        return self.dp_shard // self.ep if self.fsdp else 1
+
     def describe(self, compact: bool = False) -> str:
         """The layout in words: `fsdp 4 + pp 2 interleaved x2`. compact (for narrow tables): each
         part glued to its size and the parts joined by "+", in the style of `duoka bench --layout`:
-        `fsdp4+pp2 interleaved×2`."""
+        `fsdp4+pp2 interleaved×2`; expert parallelism follows the data-parallel part: `fsdp 8 + ep 4`."""
         sp = "" if compact else " "
         parts = []
         if self.dp_mode == "fsdp" and self.dp_replicate > 1:
@@ -143,6 +169,8 @@ class Layout:
             parts.append(f"fsdp{sp}{self.dp_shard}")
         elif self.dp_replicate > 1:
             parts.append(f"ddp{sp}{self.dp_replicate}")
+        if self.ep > 1:
+            parts.append(f"ep{sp}{self.ep}")
         if self.tp > 1:
             parts.append(f"tp{sp}{self.tp}")
         if self.pp > 1:
@@ -171,7 +199,7 @@ def layout_from_config(parallel, world_size: int) -> Layout:
         rep = 1 if rep == -1 else rep
         shard = dp_world // rep if shard == -1 else shard
     layout = Layout(parallel.dp_mode, rep, shard, tp, pp, parallel.pp_schedule,
-                    parallel.pp_stages_per_rank if pp > 1 else 1, parallel.reshard_after_forward)
+                    parallel.pp_stages_per_rank if pp > 1 else 1, parallel.reshard_after_forward, parallel.ep)
     if layout.world_size != world_size:
         raise DuokaError(f"dp_replicate x dp_shard x tp x pp = {layout.world_size}, but {world_size} processes run")
     return layout
@@ -181,8 +209,9 @@ def layout_from_config(parallel, world_size: int) -> Layout:
 
 
 def block_params(args: ModelArgs) -> tuple[int, int, int]:
-    """(all parameters, tensor-parallel-sharded parameters, matmul weights) of one decoder
-    block. The two RMSNorm gains (2·dim) are the only part tp replicates."""
+    """(all parameters, tensor-parallel-sharded parameters, matmul weights) of one dense
+    decoder block. The two RMSNorm gains (2·dim) are the only part tp replicates. A MoE
+    model's layers: duoka.plan.moe.expert_split."""
     hd, h = args.resolved_head_dim, args.dim
     qkv = h * hd * (args.n_heads + 2 * args.n_kv_heads)
     matmul = qkv + args.n_heads * hd * h + 3 * h * args.intermediate_size
@@ -203,8 +232,13 @@ def auto_blocks_per_unit(args: ModelArgs, micro_batch: int, seq_len: int, tp: in
     backward anyway (no extra memory); 1 with resharding."""
     if reshard_after_forward:
         return 1
-    p_block, p_block_tp, _ = block_params(args)
-    block_local = p_block_tp / tp + (p_block - p_block_tp)
+    if is_moe(args):
+        # The forward's work is the weights a token passes through: a MoE layer's active ones
+        # (top-k experts), averaged over the layers (tp does not run with MoE).
+        block_local = (args.matmul_params() - args.vocab_size * args.dim) / args.n_layers
+    else:
+        p_block, p_block_tp, _ = block_params(args)
+        block_local = p_block_tp / tp + (p_block - p_block_tp)
     return max(1, min(args.n_layers, math.ceil(UNIT_PARAM_TOKENS / (block_local * micro_batch * seq_len))))
 
 
@@ -222,9 +256,11 @@ class SavedPerToken:
     block_input: float  # what full activation checkpointing keeps per block: its input
     final_norm: float  # the final RMSNorm and the head's input, on the rank holding the head
     backward_transient: float  # gradients of a block's intermediates while its backward runs
+    moe_block: float = 0.0  # a MoE layer, no checkpointing (0 for a dense model)
+    moe_transient: float = 0.0  # a MoE layer's backward in flight
 
 
-def saved_per_token(args: ModelArgs, regime: str, tp: int = 1) -> SavedPerToken:
+def saved_per_token(args: ModelArgs, regime: str, tp: int = 1, ep: int = 1) -> SavedPerToken:
     """Count of the tensors each op of duoka's TransformerBlock saves for backward
     (duoka/models/qwen2/model.py), per token, in bytes.
 
@@ -241,24 +277,30 @@ def saved_per_token(args: ModelArgs, regime: str, tp: int = 1) -> SavedPerToken:
     Under tp with sequence parallelism the norms and the block input are sequence-sharded,
     the projections and attention head-sharded (all / tp), but the projections' inputs are
     the all-gathered full sequence: torch's ColwiseParallel saves the gathered tensor
-    (Korthikanti et al. re-gather it in backward instead; torch does not)."""
+    (Korthikanti et al. re-gather it in backward instead; torch does not).
+
+    A MoE layer (tp 1 only) saves its sparse MLP's tensors instead of the SwiGLU's
+    (duoka.plan.moe.moe_saved_per_token; ep: its dispatch's indices), and one input: the
+    norm output every part reads, under autocast cast once per linear (router, the shared
+    expert's gate, gate and up projections; the experts cast their gathered rows, counted
+    there)."""
     h, i = args.dim, args.intermediate_size
     q = args.n_heads * args.resolved_head_dim
     kv = args.n_kv_heads * args.resolved_head_dim
     if regime == "bf16":
         norm = 4 * h + 2 * h  # fp32 copy + bf16 normalised
         attn_input, mlp_input, head_input = 2 * h, 2 * h, 2 * h
-        block_input = 2 * h
+        block_input, moe_input = 2 * h, 2 * h
         e = 2
     elif regime == "autocast":
         norm = 4 * h + 4 * h  # the fp32 input itself + fp32 normalised
         attn_input, mlp_input, head_input = 3 * 2 * h, 2 * 2 * h, 2 * h  # one bf16 cast per linear
-        block_input = 4 * h  # the residual stream is fp32
+        block_input, moe_input = 4 * h, 4 * 2 * h  # the residual stream is fp32
         e = 2
     elif regime == "fp32":
         norm = 4 * h + 4 * h
         attn_input, mlp_input, head_input = 4 * h, 4 * h, 4 * h
-        block_input = 4 * h
+        block_input, moe_input = 4 * h, 4 * h
         e = 4
     else:
         raise ValueError(f"unknown precision regime {regime!r}")
@@ -268,8 +310,12 @@ def saved_per_token(args: ModelArgs, regime: str, tp: int = 1) -> SavedPerToken:
     # Backward of the MLP holds the gradients of the product, of silu(gate) and of up, and
     # then of gate: about three I-wide tensors at once, plus the incoming gradient.
     transient = (3 * e * i) / tp + 2 * e * h
+    moe_block = moe_transient = 0.0
+    if is_moe(args):
+        moe_block = (2 * norm + attention) / tp + attn_input + moe_input + moe_saved_per_token(args, e, ep)
+        moe_transient = moe_backward_transient(args, e)
     return SavedPerToken(block=block, block_input=block_input / tp, final_norm=norm / tp + head_input,
-                         backward_transient=transient)
+                         backward_transient=transient, moe_block=moe_block, moe_transient=moe_transient)
 
 
 def in_flight(layout: Layout, pp_rank: int, microbatches: int) -> int:
@@ -343,9 +389,11 @@ def estimate_memory(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: 
     micro-batches). It matters: while gradients accumulate, DDP holds them all, and FSDP2
     with gradient sync off (the trainer's no-sync accumulation, and the pipeline schedules')
     keeps them unsharded in fp32. pp_rank: the pipeline rank to estimate; None: the one
-    with the largest peak. optimizer: optimizer.name / optimizer.offload (AdamW by default)."""
+    with the largest peak. optimizer: optimizer.name / optimizer.offload (AdamW by default).
+    A mixture-of-experts model: its routed experts shard as duoka.plan.moe describes (layout.ep)."""
     if micro_batch < 1 or seq_len < 1 or accumulation < 1:
         raise DuokaError("micro_batch, seq_len and accumulation must be >= 1")
+    check_moe_layout(args, layout.dp_shard, layout.tp, layout.pp, layout.ep)
     regime = regime_of(layout, bf16)
     if pp_rank is not None:
         if not 0 <= pp_rank < layout.pp:
@@ -368,16 +416,44 @@ class _RankShare:
     layers: int  # decoder layers over all the stages of this rank
     has_embedding: bool
     has_head: bool
-    block_local: float  # one decoder block's
-    block_matmul: int  # one decoder block's matmul weights, before tp
+    block_local: float  # one decoder block's (the largest; a MoE layer's with its routed experts / ep)
+    block_matmul: int  # one decoder block's matmul weights, before tp (a MoE layer's with every expert)
     vocab_rows: float  # one vocabulary matrix (the embedding or the head)
     root: float  # FSDP's root unit: embedding, final norm, output head
     local: float  # all of them: the layers and the root
     matmul_local: float  # the matmul weights among them (the head's included)
+    experts: float = 0.0  # of `local`, the routed experts this rank's ep group position holds: all / ep
+
+    def sharded(self, layout: Layout) -> float:
+        """Parameters left on the rank after FSDP2: the routed experts over the dp_shard / ep
+        ranks holding the same ones, the rest over dp_shard (1 without FSDP)."""
+        shard = layout.dp_shard if layout.fsdp else 1
+        return (self.local - self.experts) / shard + self.experts / layout.expert_shard
+
+
+def _moe_share(args: ModelArgs, layout: Layout) -> _RankShare:
+    """A MoE model's one rank (no tp or pp: duoka.plan.moe.check_moe_layout): every layer, the
+    embedding and the head; of the routed experts num_experts / ep of each layer."""
+    split = expert_split(args)
+    vocab_rows = args.vocab_size * args.dim
+    root = vocab_rows + args.dim + (0 if args.tie_word_embeddings else vocab_rows)
+    experts = split.experts / layout.ep
+    moe_block = split.moe_layer + split.layer_experts / layout.ep
+    block_local = max(moe_block, split.dense_layer if split.dense_layers else 0)
+    dense_matmul = split.attention_matmul + 3 * args.dim * args.intermediate_size
+    block_matmul = max(split.moe_matmul + split.layer_experts, dense_matmul if split.dense_layers else 0)
+    # autocast (one GPU, DDP: ep 1) casts every matmul weight, each expert's included
+    matmul_local = (split.dense_layers * dense_matmul + split.moe_layers * (split.moe_matmul + split.layer_experts)
+                    + vocab_rows)
+    local = split.dense_layers * split.dense_layer + split.moe_layers * split.moe_layer + experts + root
+    return _RankShare(args.n_layers, True, True, block_local, block_matmul, vocab_rows, root, local, matmul_local,
+                      experts)
 
 
 def _rank_share(args: ModelArgs, layout: Layout, pp_rank: int) -> _RankShare:
     """The stages of pipeline rank `pp_rank` (v per rank, interleaved) and what they hold."""
+    if is_moe(args):
+        return _moe_share(args, layout)
     tp, pp, v = layout.tp, layout.pp, layout.stages_per_rank
     n_stages = pp * v
     stages = [pp_rank + k * pp for k in range(v)]
@@ -428,7 +504,8 @@ def _fsdp_gradients(share: _RankShare, layout: Layout, accumulating: bool, low: 
         # The root stays gathered from forward to backward (reshard_after_forward=False
         # on it); one block gathered for compute and the next prefetched.
         gathered = low * root + 2 * low * block_local
-    grads_end = GRAD_BYTES * (local - root) / shard
+    # Routed experts reduce-scatter over the dp_shard / ep ranks holding them (duoka.plan.moe).
+    grads_end = GRAD_BYTES * ((local - root - share.experts) / shard + share.experts / layout.expert_shard)
     # The root's reduce-scatter comes last: the fp32 input buffer, and either the bf16
     # gradients being copied in (fp32 accumulated ones while accumulating) or the output.
     root_grads = (GRAD_BYTES if accumulating else low) * root
@@ -473,27 +550,34 @@ class _Activations:
     transient: float  # gradients of a block's intermediates while its backward runs
     p2p: float  # pipeline receive buffers
     in_flight: int  # stage-forwards held at the peak
+    all_to_all: float = 0.0  # a MoE layer's dispatch buffers in its backward, under ep > 1
 
 
 def _activations(args: ModelArgs, layout: Layout, share: _RankShare, pp_rank: int, tokens: int, ac: bool,
                  accumulation: int, regime: str) -> _Activations:
     """Activations of `tokens` per micro-batch (saved_per_token's counts)."""
     tp, pp, v = layout.tp, layout.pp, layout.stages_per_rank
-    saved = saved_per_token(args, regime, tp)
+    saved = saved_per_token(args, regime, tp, layout.ep)
     flight = in_flight(layout, pp_rank, accumulation)  # stage-forwards held
     layers_per_forward = share.layers / v
     per_layer = saved.block_input if ac else saved.block
-    held = flight * layers_per_forward * per_layer * tokens
+    if is_moe(args):  # one rank holds every layer (no pp): each kind of layer its own count
+        n_moe = len(args.moe_layers)
+        per_moe_layer = saved.block_input if ac else saved.moe_block
+        held = flight * ((share.layers - n_moe) * per_layer + n_moe * per_moe_layer) * tokens
+    else:
+        held = flight * layers_per_forward * per_layer * tokens
     final_norm = saved.final_norm * tokens if share.has_head else 0.0
     loss_bytes = (LOSS_BYTES_PER_LOGIT + (LOSS_PARALLEL_EXTRA_BYTES if tp > 1 else 0)
                   + (PIPELINE_LOGITS_BYTES if pp > 1 else 0))
     logits = loss_bytes * args.vocab_size / tp * tokens if share.has_head else 0.0
-    recompute = (saved.block if ac else 0.0) * tokens
-    transient = saved.backward_transient * tokens
+    recompute = (max(saved.block, saved.moe_block) if ac else 0.0) * tokens
+    transient = max(saved.backward_transient, saved.moe_transient) * tokens
     # Pipeline receive buffers: one bf16 activation from the previous stage and one
     # gradient from the next, per stage the rank holds.
     p2p = 2 * 2 * args.dim * tokens * v if pp > 1 else 0.0
-    return _Activations(held, final_norm, logits, recompute, transient, p2p, flight)
+    all_to_all = all_to_all_buffers(args, tokens, layout.ep) if is_moe(args) else 0.0
+    return _Activations(held, final_norm, logits, recompute, transient, p2p, flight, all_to_all)
 
 
 def _moments(g: _GradientsAndWeights, a: _Activations, step_transient: float,
@@ -517,7 +601,7 @@ def _moments(g: _GradientsAndWeights, a: _Activations, step_transient: float,
     moments["block backward"] = {"gradients": grads_first + g.head_grads,
                                  "gathered_parameters": g.gathered + g.recompute_casts,
                                  "activations": a.held + a.recompute + a.transient, "logits": 0.0,
-                                 "communication": g.buckets + a.p2p + g.comm_block}
+                                 "communication": g.buckets + a.p2p + g.comm_block + a.all_to_all}
     moments["end of backward"] = {"gradients": g.grads_end, "gathered_parameters": g.gathered_end,
                                   "activations": 0.0, "logits": 0.0, "communication": g.buckets + g.comm_end}
     # The step runs after the last reduction: every gradient, sharded, and DDP's buckets (kept
@@ -534,7 +618,7 @@ def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int
     shard = layout.dp_shard if layout.fsdp else 1
     accumulating = accumulation > 1
     low = 4 if regime == "fp32" else 2  # bytes of a compute-dtype weight or gradient
-    parameters = WEIGHT_BYTES * share.local / shard
+    parameters = WEIGHT_BYTES * share.sharded(layout)
     opt = rank_footprint(args, share.layers, share.has_embedding, share.has_head, layout.tp, optimizer, shard)
     if layout.fsdp:
         grads = _fsdp_gradients(share, layout, accumulating, low)
@@ -557,16 +641,16 @@ def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int
 def training_bytes(args: ModelArgs, micro_batch: int, seq_len: int, dp_shard: int, activation_checkpointing: bool,
                    bf16: bool = True, *, tp: int = 1, pp: int = 1, dp_mode: str | None = None, dp_replicate: int = 1,
                    accumulation: int = 1, pp_schedule: str = "1f1b", pp_stages_per_rank: int | None = None,
-                   optimizer: OptimizerChoice = ADAMW) -> int:
+                   optimizer: OptimizerChoice = ADAMW, ep: int = 1) -> int:
     """Estimated peak allocated bytes per GPU (see estimate_memory). dp_mode defaults to
     fsdp when dp_shard > 1 and to ddp otherwise; pp_stages_per_rank to 2 for the
     interleaved schedules; optimizer to AdamW (optimizer_from_config(cfg.optimizer) gives
-    a run's)."""
+    a run's); ep: parallel.ep of a mixture-of-experts model."""
     mode = dp_mode or ("fsdp" if dp_shard > 1 else "ddp")
     if pp_stages_per_rank is None:
         pp_stages_per_rank = 2 if pp_schedule in ("interleaved_1f1b", "zero_bubble") else 1
     layout = Layout(mode, dp_replicate, dp_shard if mode == "fsdp" else 1, tp, pp, pp_schedule,
-                    pp_stages_per_rank if pp > 1 else 1)
+                    pp_stages_per_rank if pp > 1 else 1, ep=ep)
     return int(estimate_memory(args, layout, micro_batch, seq_len, activation_checkpointing, accumulation,
                                bf16, optimizer=optimizer).allocated)
 

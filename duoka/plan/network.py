@@ -9,6 +9,8 @@ buffer of an all-reduce) takes
     all-reduce (ring):                2·(n-1)/n · S / B  +  a0 + 2·(n-N)·a_nv + 2·(N-1)·a_net
     all-reduce (double binary tree):  2·(n-1)/n · S / B  +  a0 + 2·((g-1)·t_nv + ceil(log2 N)·t_net)
     send to the next pipeline stage:                S / B_link + a0 + a_link
+    all-to-all (pairwise exchange):   max((g-1)/n · S / B_intra, (n-g)/n · S / B_inter)
+                                      +  a0 + (n-N)·a_nv + (N-1)·a_net
 
 with B the group's bus bandwidth per GPU: the link inside a node when N = 1, else
 min(B_intra, g · B_inter). A ring crosses each node boundary once per channel and carries
@@ -22,6 +24,12 @@ nInterSteps)·intraLat + nInterSteps·interLat for rings, 2·((ranks/nodes - 1)�
 log2(nodes)·interLat) for trees; NCCL picks the faster per call, so all-reduce takes the
 smaller latency) and the textbook alpha-beta cost of Thakur, Rabenseifner & Gropp 2005,
 "Optimization of Collective Communication Operations in MPICH" (IJHPCA 19(1)).
+
+An all-to-all (expert parallelism's token dispatch; S: the bytes each rank sends, its own
+part included) is NCCL's grouped point-to-point sends, one to every other rank: the
+pairwise exchange of Thakur et al. (section 5), whose n-1 steps the ring's latency stands
+for. Each rank's parts for its node's other ranks go over the node's link, its parts for
+other nodes through its own NIC, both at once; nothing crosses a node boundary twice.
 
 Not modelled: NCCL's PAT all-gather/reduce-scatter (2.23+, one GPU per node) and NVLS /
 SHARP in-network reduction (faster than this on clusters that have them), congestion in
@@ -158,6 +166,16 @@ class Fabric:
         nodes, per_node = self._shape(size, stride)
         latency = min(self.ring_latency_s(size, stride, passes=2), self.tree_latency_s(size, stride))
         return 2 * (size - 1) / size * nbytes / self.bus_bandwidth(nodes, per_node) + latency
+
+    def all_to_all_s(self, nbytes: float, size: int, stride: int = 1) -> float:
+        """All-to-all over `size` ranks `stride` apart in which each rank sends `nbytes` in all,
+        an equal part to every rank (its own included, which does not move)."""
+        if size <= 1:
+            return 0.0
+        nodes, per_node = self._shape(size, stride)
+        inside = (per_node - 1) / size * nbytes / self.intra_bytes_per_s
+        across = (size - per_node) / size * nbytes / self.inter_bytes_per_s if nodes > 1 else 0.0
+        return max(inside, across) + self.ring_latency_s(size, stride)
 
     def send_s(self, nbytes: float, crosses_nodes: bool) -> float:
         """One point-to-point send (pipeline stages): one GPU's link, one step."""

@@ -200,7 +200,9 @@ def optimizer_from_config(optimizer_cfg: OptimizerConfig) -> OptimizerChoice:
 class ParamTensor:
     """`count` parameter tensors of one shape on a rank: rows x cols after tensor parallelism
     (before data-parallel sharding), of a whole full_rows x full_cols. role: `matrix` (a
-    decoder block's 2-D weight), `embedding`, `head`, or `vector` (a norm's gain, a bias)."""
+    decoder block's 2-D weight), `embedding`, `head`, `vector` (a norm's gain, a bias), or
+    `experts` (a MoE layer's stacked routed experts [E, out, in], as E·out rows of `in`: 3-D,
+    so Muon leaves them to its AdamW, as duoka/train/optimizers.py does)."""
 
     role: str
     rows: float
@@ -227,7 +229,12 @@ def rank_tensors(args: ModelArgs, layers: int, has_embedding: bool, has_head: bo
     """The parameter tensors of a rank holding `layers` decoder blocks (and the embedding,
     the final norm and the head where it holds them), under tp: q/k/v, gate/up and their
     biases split by rows (column-parallel), o and down by columns (row-parallel), the
-    vocabulary split, the norms whole. Sums to duoka.plan.memory's count of the rank."""
+    vocabulary split, the norms whole. Sums to duoka.plan.memory's count of the rank.
+
+    A MoE model's sparse layers (their share of `layers`) hold a router [E, dim], the shared
+    expert's SwiGLU and its gate [1, dim], and the routed experts: all E of them, since FSDP2
+    shards the experts / ep of an ep rank over dp_shard / ep ranks, experts / dp_shard per
+    rank as without ep (duoka.plan.moe)."""
     h, i, hd = args.dim, args.intermediate_size, args.resolved_head_dim
     q, kv, v = args.n_heads * hd, args.n_kv_heads * hd, args.vocab_size
 
@@ -237,9 +244,17 @@ def rank_tensors(args: ModelArgs, layers: int, has_embedding: bool, has_head: bo
     def by_cols(role, rows, cols, count):
         return ParamTensor(role, rows, cols / tp, count, rows, cols)
 
+    # MoE layers among them: all of a MoE model's (its rank holds every layer: no pp), none when dense
+    sparse = round(layers * len(args.moe_layers) / args.n_layers)
+    dense = layers - sparse
     out = [by_rows("matrix", q, h, layers), by_rows("matrix", kv, h, 2 * layers), by_cols("matrix", h, q, layers),
-           by_rows("matrix", i, h, 2 * layers), by_cols("matrix", h, i, layers), by_rows("vector", q, 1, layers),
+           by_rows("matrix", i, h, 2 * dense), by_cols("matrix", h, i, dense), by_rows("vector", q, 1, layers),
            by_rows("vector", kv, 1, 2 * layers), ParamTensor("vector", h, 1, 2 * layers, h, 1)]
+    if sparse:
+        e, m, s = args.num_experts, args.moe_intermediate_size, args.shared_expert_intermediate_size
+        out += [ParamTensor("matrix", e, h, sparse, e, h), ParamTensor("matrix", 1, h, sparse, 1, h),
+                by_rows("matrix", s, h, 2 * sparse), by_cols("matrix", h, s, sparse),
+                ParamTensor("experts", e * m, h, 2 * sparse, e * m, h), ParamTensor("experts", e * h, m, sparse, e * h, m)]
     if has_embedding:
         out.append(by_rows("embedding", v, h, 1))
     if has_head:

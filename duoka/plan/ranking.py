@@ -13,7 +13,11 @@ communication on the critical path and ways to fail.
 Optimizers: the plan is for optimizer.name / optimizer.offload as asked (AdamW by default).
 When nothing fits with AdamW and no optimizer was asked for, it tries the others in
 PROPOSAL_ORDER and plans with the first that fits, listing every one that does.
-When nothing fits at all, the error names the fewest GPUs of this size that would do.
+When nothing fits at all, the error names the fewest GPUs of this size that would do (and
+fewer with quantized AdamW state), and whether one sequence per GPU would fit these.
+
+A mixture-of-experts model is planned with data parallelism and expert parallelism only
+(duoka.plan.moe: the trainer refuses tp and pp for it); the plan says what it counted.
 
 duoka.plan.scaling tabulates the plan from one node to the whole job; duoka.plan.published
 sets it beside torchtitan's and Megatron-LM's published runs.
@@ -28,8 +32,9 @@ from duoka.errors import DuokaError
 from duoka.models.qwen2.args import ModelArgs
 from duoka.plan.hardware import HOST_USABLE_FRACTION, Hardware, hardware_notes
 from duoka.plan.layouts import FAMILY_ORDER, enumerate_layouts, simplicity
-from duoka.plan.memory import GIB, Layout, estimate_memory, state_bytes
+from duoka.plan.memory import GIB, GRAD_BYTES, WEIGHT_BYTES, Layout, estimate_memory, state_bytes
 from duoka.plan.model_choice import ModelChoice
+from duoka.plan.moe import active_params, expert_split, is_moe
 from duoka.plan.optimizer_costs import ADAMW, OptimizerChoice
 from duoka.plan.result import Candidate, Plan, gib_text, optimizer_keys
 from duoka.plan.step_time import estimate_step_time
@@ -103,6 +108,22 @@ def _slower(ratio: float) -> str:
     return f"{ratio:.1f}x slower" if ratio >= 2 else f"{ratio - 1:.0%} slower"
 
 
+def _without_ep(first: Candidate, ranked: list[Candidate], rejected: list[Candidate], usable: float) -> str | None:
+    """Why the first layout splits the experts: the same layout at ep 1, slower or too large."""
+    if first.layout.ep == 1:
+        return None
+    plain = replace(first.layout, ep=1)
+    for c in ranked:
+        if c.layout == plain:
+            return f"{plain.describe()} (ep 1) is {_slower(c.time.total_s / first.time.total_s)}"
+    for c in rejected:
+        if c.layout == plain:
+            return (f"{plain.describe()} (ep 1) does not fit ({gib_text(c.memory.reserved)} GiB at micro-batch "
+                    f"{c.micro_batch}{' with checkpointing' if c.activation_checkpointing else ''} > "
+                    f"{gib_text(usable)} usable)")
+    return None
+
+
 def explain(ranked: list[Candidate], rejected: list[Candidate], hw: Hardware) -> str:
     """One line: why the first layout is first."""
     first = ranked[0]
@@ -129,6 +150,7 @@ def explain(ranked: list[Candidate], rejected: list[Candidate], hw: Hardware) ->
             reasons.append(f"{c.layout.describe()} does not fit ({gib_text(c.memory.reserved)} GiB at micro-batch "
                            f"{c.micro_batch}{' with checkpointing' if c.activation_checkpointing else ''} > "
                            f"{gib_text(usable)} usable)")
+    reasons += [r for r in (_without_ep(first, ranked, rejected, usable),) if r]
     if first is fastest:
         lead = f"fastest of the {len(ranked)} layouts that fit"
         if len(ranked) > 1 and not any(r.startswith(ranked[1].layout.describe() + " ") for r in reasons):
@@ -155,14 +177,14 @@ def _sequence_and_batch(args: ModelArgs, hw: Hardware, seq_len: int | None, glob
     filled in (2048 or the model's context; 8 sequences per GPU)."""
     notes = []
     if seq_len is None:
-        seq_len = min(DEFAULT_SEQ, args.max_seq_len)
+        seq_len = min(DEFAULT_SEQ, args.context_len)
         if seq_len != DEFAULT_SEQ:
             notes.append(f"seq {seq_len}, the model's context (set --seq)")
     if seq_len < 1:
         raise DuokaError(f"--seq {seq_len} must be >= 1")
-    if seq_len > args.max_seq_len:  # the trainer refuses it too
-        raise DuokaError(f"--seq {seq_len} exceeds the model's {args.max_seq_len} positions",
-                         f"use --seq {args.max_seq_len} or less")
+    if seq_len > args.context_len:  # the trainer refuses it too
+        raise DuokaError(f"--seq {seq_len} exceeds the model's {args.context_len} positions",
+                         f"use --seq {args.context_len} or less, or a config.json with YaRN rope_scaling")
     if global_batch is None:
         global_batch = 8 * hw.gpus
         notes.append(f"global batch {global_batch} (8 sequences per GPU; set --global-batch)")
@@ -223,7 +245,7 @@ def make_plan(model: ModelChoice, hw: Hardware, seq_len: int | None = None, glob
         alternatives = [rank(c)[0] for c in fitting.values()]
         if optimizer is not None or not alternatives:
             raise _does_not_fit(model, hw, seq_len, candidates, max(1, global_batch // hw.gpus) if asked_batch else 1,
-                                chosen, alternatives)
+                                chosen, alternatives, global_batch=global_batch, free_optimizer=optimizer is None)
         adamw_candidates = candidates
         chosen = alternatives[0].optimizer
         candidates = fitting[chosen]
@@ -254,15 +276,40 @@ def _plan_notes(args: ModelArgs, hw: Hardware, best: Candidate, optimizer: Optim
         notes.append(f"host memory for the offloaded AdamW: {gib_text(best.memory.host)} GiB per GPU, half of it "
                      f"pinned (fp32 weights and gradients; {limit}); its step runs on the host, which the step time "
                      "counts")
+    if is_moe(args):
+        notes.append(_moe_note(args, best))
     # Switches the ranking does not model: measured on 2 x H200 (docs/performance.md).
     speed = ("training.compile (on by default on GPUs; false turns it off): 1.65x eager for 0.5B under DDP, faster "
              "in every DDP and FSDP2 case measured (not yet measured under tp or pp), and no more memory than "
              "estimated")
-    if args.num_params() >= 1e9:
+    if best.layout.ep > 1:
+        speed = ("training.compile, which the trainer leaves off under expert parallelism (auto; its token dispatch "
+                 "reads the all-to-all's sizes on the host): this layout runs eager, as estimated")
+    if args.num_params() >= 1e9 and not is_moe(args):  # the trainer refuses float8 for MoE models
         speed += ("; training.float8=tensorwise on GPUs of compute capability 8.9+: +14% (1.5B) to +30% (7B) "
                   "measured, not bit-equal to bf16 (compare the loss curve)")
     notes.append("speed switches this plan does not model: " + speed)
     return notes
+
+
+def _moe_note(args: ModelArgs, best: Candidate) -> str:
+    """What a mixture-of-experts plan counts and assumes (duoka.plan.moe)."""
+    split, ep = expert_split(args), best.layout.ep
+    active = active_params(args)
+    text = (f"mixture of experts: {split.experts / 1e9:.1f}B of the {args.num_params() / 1e9:.1f}B parameters are "
+            f"routed experts ({args.num_experts} in each of {split.moe_layers} layers, {args.num_experts_per_tok} per "
+            f"token: {active / 1e9:.1f}B parameters active, which the compute counts); ")
+    if ep > 1:
+        a2a = best.time.expert_parallel_s
+        se = best.layout.expert_shard
+        fsdp = (f"their FSDP2 traffic runs over {se} ranks instead of {best.layout.dp_shard}" if se > 1 else
+                "they are not sharded further (no FSDP2 traffic for them)")
+        text += (f"ep {ep}: each GPU holds {args.num_experts // ep} experts of each layer for its group of {ep} and "
+                 f"gets their tokens by all-to-all ({a2a:.2f} s of the {best.time.total_s:.2f} s step), {fsdp}; "
+                 "routing is taken as balanced (a skewed router slows the busiest GPU and fills its receive buffers "
+                 "beyond this estimate); ")
+    return text + ("tp, pp, float8 and LoRA are not proposed: the trainer refuses them for MoE models; the MoE "
+                   "estimates are not yet checked against a GPU")
 
 
 def _fitting_optimizers(args: ModelArgs, hw: Hardware, seq_len: int, global_batch: int, layouts: list[Layout],
@@ -314,9 +361,37 @@ def minimum_gpus(args: ModelArgs, hw: Hardware, seq_len: int, per_gpu_batch: int
     return None
 
 
+def _one_per_gpu(args: ModelArgs, hw: Hardware, seq_len: int, optimizers: list[OptimizerChoice]
+                 ) -> Candidate | None:
+    """The first layout that fits these GPUs at one sequence per GPU (no accumulation, which
+    under FSDP2 holds every gradient unsharded), with the first of `optimizers` that fits."""
+    for opt in optimizers:
+        if opt.offloaded and hw.gpus > 1:
+            continue
+        ranked = rank(evaluate(args, hw, seq_len, hw.gpus, optimizer=opt))
+        if ranked:
+            return ranked[0]
+    return None
+
+
+def _fewer_gpus_with_less_state(args: ModelArgs, hw: Hardware, seq_len: int, per_gpu_batch: int,
+                                fewest: int | None) -> tuple[int, Candidate] | None:
+    """(GPUs, candidate) of the fewest GPUs on which AdamW's update with quantized state
+    (the first two of PROPOSAL_ORDER) fits, when fewer than `fewest` (AdamW's)."""
+    for opt in PROPOSAL_ORDER[:2]:
+        found = minimum_gpus(args, hw, seq_len, per_gpu_batch, opt)
+        if found is not None and (fewest is None or found[0] < fewest):
+            return found[0], found[3]
+    return None
+
+
 def _does_not_fit(model: ModelChoice, hw: Hardware, seq_len: int, candidates: list[Candidate],
                   per_gpu_batch: int, optimizer: OptimizerChoice = ADAMW,
-                  alternatives: list[Candidate] | None = None) -> DuokaError:
+                  alternatives: list[Candidate] | None = None, global_batch: int | None = None,
+                  free_optimizer: bool = False) -> DuokaError:
+    """The error of a plan where nothing fits, with what would: an optimizer with less state,
+    one sequence per GPU (free_optimizer: with any optimizer of PROPOSAL_ORDER), more GPUs
+    (and fewer with quantized AdamW state)."""
     args = model.args
     smallest = min(candidates, key=lambda c: c.memory.reserved)
     state = state_bytes(args, optimizer)
@@ -331,23 +406,50 @@ def _does_not_fit(model: ModelChoice, hw: Hardware, seq_len: int, candidates: li
              f"per GPU ({smallest.describe()}) against {gib_text(hw.usable_bytes)} GiB usable{host}; weights, "
              f"gradients and {which} state alone are {args.num_params() / 1e9:.1f}B x {per_param_text} bytes = "
              f"{state / 1e12:.2f} TB ({state / GIB:.0f} GiB) over all GPUs")
+    if free_optimizer and not alternatives:
+        bare = (WEIGHT_BYTES + GRAD_BYTES) * args.num_params()
+        cause += "; no other optimizer fits either"
+        if bare / hw.gpus > hw.usable_bytes:  # then the state of no optimizer is what fails
+            cause += (f": fp32 weights and gradients alone are {args.num_params() / 1e9:.1f}B x "
+                      f"{WEIGHT_BYTES + GRAD_BYTES} bytes = {bare / GIB:.0f} GiB, {bare / hw.gpus / GIB:.0f} per GPU")
     fixes = []
     if alternatives:
         c = alternatives[0]
         fixes.append(f"an optimizer with less state fits: {c.optimizer.describe()} ({c.describe(optimizer=False)}: "
                      f"{gib_text(c.memory.reserved)} GiB reserved per GPU; set {optimizer_keys(c.optimizer)}, or "
                      "leave --optimizer out to let the plan choose)")
+    if global_batch is not None and global_batch > hw.gpus:
+        small = _one_per_gpu(args, hw, seq_len, [optimizer] + (list(PROPOSAL_ORDER) if free_optimizer else []))
+        if small is not None:
+            opt_flag = "" if small.optimizer == ADAMW else f" --optimizer {small.optimizer.name}"
+            fixes.append(f"one sequence per GPU fits these GPUs: --global-batch {hw.gpus}{opt_flag} "
+                         f"({small.describe()}: {gib_text(small.memory.reserved)} GiB reserved per GPU; "
+                         "accumulating micro-batches under fsdp holds every gradient unsharded)")
+    return DuokaError(cause, "; or ".join(fixes + _more_gpus(model, hw, seq_len, per_gpu_batch, optimizer,
+                                                             free_optimizer)))
+
+
+def _more_gpus(model: ModelChoice, hw: Hardware, seq_len: int, per_gpu_batch: int, optimizer: OptimizerChoice,
+               free_optimizer: bool) -> list[str]:
+    """The fewest GPUs of this size that fit, and fewer with quantized AdamW state when the
+    optimizer is the plan's to choose; else a shorter sequence."""
+    args = model.args
     found = minimum_gpus(args, hw, seq_len, per_gpu_batch, optimizer)
     if found is None:
-        fixes.append(f"no layout fits even on {MAX_GPUS_SEARCHED} GPUs of {hw.gpu_memory_gib:g} GiB at seq {seq_len} "
-                     f"with {per_gpu_batch} sequence(s) per GPU: use a shorter --seq or GPUs with more memory")
-    else:
-        n, batch, trial, c = found
-        nodes = f" ({trial.nodes} nodes of {trial.gpus_per_node})" if trial.nodes > 1 else ""
-        opt_flag = "" if c.optimizer == ADAMW else f" --optimizer {c.optimizer.name}"
-        fixes.append(f"use at least {n} GPUs of {hw.gpu_memory_gib:g} GiB{nodes}: there {c.describe()} needs "
-                     f"{gib_text(c.memory.reserved)} GiB per GPU at global batch {batch} (duoka plan --model "
-                     f"{model.label} --gpus {n}{f' --nodes {trial.nodes}' if trial.nodes > 1 else ''} --gpu-memory "
-                     f"{hw.gpu_memory_gib:g} --seq {seq_len} --global-batch {batch}{opt_flag}); or GPUs with more "
-                     "memory")
-    return DuokaError(cause, "; or ".join(fixes))
+        return [(f"no layout fits even on {MAX_GPUS_SEARCHED} GPUs of {hw.gpu_memory_gib:g} GiB at seq {seq_len} "
+                 f"with {per_gpu_batch} sequence(s) per GPU: use a shorter --seq or GPUs with more memory")]
+    n, batch, trial, c = found
+    nodes = f" ({trial.nodes} nodes of {trial.gpus_per_node})" if trial.nodes > 1 else ""
+    opt_flag = "" if c.optimizer == ADAMW else f" --optimizer {c.optimizer.name}"
+    fixes = [(f"use at least {n} GPUs of {hw.gpu_memory_gib:g} GiB{nodes}: there {c.describe()} needs "
+              f"{gib_text(c.memory.reserved)} GiB per GPU at global batch {batch} (duoka plan --model "
+              f"{model.label} --gpus {n}{f' --nodes {trial.nodes}' if trial.nodes > 1 else ''} --gpu-memory "
+              f"{hw.gpu_memory_gib:g} --seq {seq_len} --global-batch {batch}{opt_flag})")]
+    lighter = _fewer_gpus_with_less_state(args, hw, seq_len, per_gpu_batch, n) \
+        if free_optimizer and optimizer == ADAMW else None
+    if lighter is not None:
+        m, c = lighter
+        fixes.append(f"{m} GPUs of {hw.gpu_memory_gib:g} GiB with {c.optimizer.describe()} (AdamW's update, less "
+                     f"state): {c.describe(optimizer=False)} needs {gib_text(c.memory.reserved)} GiB per GPU at "
+                     f"global batch {m * per_gpu_batch} (--optimizer {c.optimizer.name})")
+    return fixes + ["GPUs with more memory"]

@@ -4,6 +4,7 @@ config. `--json` prints Plan.to_dict instead (duoka.plan.result)."""
 
 from __future__ import annotations
 
+from duoka.plan.moe import active_params, is_moe
 from duoka.plan.optimizer_costs import ADAMW
 from duoka.plan.result import Plan, gib_text
 
@@ -57,7 +58,8 @@ def render(plan: Plan, console, top: int = 10) -> None:
     args = plan.model.args
     detected = f" (detected: {', '.join(plan.hardware.detected)})" if hw.detected else ""
     optimizer = f"; optimizer {plan.optimizer.describe()}" if plan.optimizer != ADAMW else ""
-    console.print(f"[bold]{plan.model.label}[/] ({args.num_params() / 1e9:.2f}B parameters) on {hw.describe()}"
+    active = f", {active_params(args) / 1e9:.2f}B active" if is_moe(args) else ""
+    console.print(f"[bold]{plan.model.label}[/] ({args.num_params() / 1e9:.2f}B parameters{active}) on {hw.describe()}"
                   f"{detected}; seq {plan.seq_len}, global batch {plan.global_batch}{optimizer}; {plan.considered} "
                   f"combinations estimated, {len(plan.ranked)} layouts fit in {gib_text(hw.usable_bytes)} GiB usable")
     if plan.proposal:

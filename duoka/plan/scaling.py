@@ -20,6 +20,7 @@ from duoka.plan.hardware import Hardware, hardware_notes
 from duoka.plan.layouts import FAMILY_ORDER
 from duoka.plan.memory import GIB
 from duoka.plan.model_choice import ModelChoice
+from duoka.plan.moe import active_params, is_moe
 from duoka.plan.optimizer_costs import ADAMW, OptimizerChoice
 from duoka.plan.ranking import DEFAULT_SEQ, evaluate, rank
 from duoka.plan.result import Candidate
@@ -150,10 +151,10 @@ def plan_scaling(model: ModelChoice, hw: Hardware, seq_len: int | None = None, g
         raise DuokaError("--offload cpu runs on one GPU (torchao's CPUOffloadOptimizer), and --scaling plans many",
                          "drop --offload, or plan one GPU without --scaling")
     args = model.args
-    seq_len = seq_len or min(DEFAULT_SEQ, args.max_seq_len)
-    if seq_len > args.max_seq_len:
-        raise DuokaError(f"--seq {seq_len} exceeds the model's {args.max_seq_len} positions",
-                         f"use --seq {args.max_seq_len} or less")
+    seq_len = seq_len or min(DEFAULT_SEQ, args.context_len)
+    if seq_len > args.context_len:
+        raise DuokaError(f"--seq {seq_len} exceeds the model's {args.context_len} positions",
+                         f"use --seq {args.context_len} or less, or a config.json with YaRN rope_scaling")
     if global_batch is not None and global_batch < 1:
         raise DuokaError(f"--global-batch {global_batch} must be >= 1")
     largest, gpn = hw.gpus, hw.gpus_per_node
@@ -199,7 +200,8 @@ def render_scaling(result: Scaling, console) -> None:
     hw = result.hardware
     args = result.model.args
     fam = f", {result.family} layouts only" if result.family else ""
-    console.print(f"[bold]{result.model.label}[/] ({args.num_params() / 1e9:.2f}B parameters): {result.mode} "
+    active = f", {active_params(args) / 1e9:.2f}B active" if is_moe(args) else ""
+    console.print(f"[bold]{result.model.label}[/] ({args.num_params() / 1e9:.2f}B parameters{active}): {result.mode} "
                   f"scaling on GPUs of {hw.gpu_memory_gib:g} GiB, {hw.gpus_per_node} per node, {hw.interconnect} "
                   f"inside{f', {hw.network} between' if hw.nodes > 1 else ''}{fam}")
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, padding=(0, 1, 0, 0))

@@ -34,7 +34,16 @@ absolute figure assumes a well-fed GPU and is no benchmark):
 - optimizer: its step's traffic through HBM (fused AdamW: 32 bytes per local parameter),
   Muon's Newton-Schulz matmuls, the per-tensor host calls of the for-loop and compiled
   optimizers, and for AdamW offloaded to the host the host's AdamW and the PCIe copies
-  (duoka.plan.optimizer_costs: step_seconds, with its constants and their sources).
+  (duoka.plan.optimizer_costs: step_seconds, with its constants and their sources);
+- mixture of experts (duoka.plan.moe): compute from the active weights (6 x the matmul
+  weights a token passes through: its top-k experts, not all of them); under ep, per MoE
+  layer and micro-batch 4 all-to-alls (6 under checkpointing) of each token's k copies
+  (k x dim bf16), on the critical path like tp's collectives, plus the size exchange before
+  each dispatch (latency only); each layer's experts are an FSDP2 unit of their own whose
+  all-gather and reduce-scatter carry num_experts / ep experts over the dp_shard / ep ranks
+  holding them. The experts' grouped GEMMs are costed at the dense matmuls' efficiency, and
+  routing is taken as balanced (the slowest expert rank waits for no one): neither is
+  measured yet.
 Ignored: kernel contention between NCCL and compute, CPU launch overhead of tiny models,
 data loading, stragglers and failures (which grow with the job: see
 duoka.plan.hardware.CHECKED_GPUS). GEMM_EFFICIENCY, TP_BLOCK_OVERHEAD_S and FSDP_UNIT_S are
@@ -50,6 +59,7 @@ from duoka.models.qwen2.args import ModelArgs
 from duoka.plan.hardware import Hardware
 from duoka.plan.layouts import crosses_nodes, mesh_strides
 from duoka.plan.memory import Layout, auto_blocks_per_unit, block_params, stage_layer_counts
+from duoka.plan.moe import ALL_TO_ALLS, ALL_TO_ALLS_CHECKPOINTED, check_moe_layout, dispatch_bytes, expert_split, is_moe
 from duoka.plan.optimizer_costs import ADAMW, OptimizerChoice, rank_footprint, step_seconds
 
 HALF_SPEED_ELEMENTS = 2**20  # micro-batch x seq x dim/tp at which the matmul efficiency halves
@@ -81,11 +91,13 @@ class StepTime:
     bubble_s: float = 0.0  # the pipeline's idle time, inside compute_s
     dp_latency_s: float = 0.0  # the latency part of data_parallel_s (collective launches, ring steps)
     dp_across_nodes: bool = False  # some dp group spans nodes (its bandwidth is the network's)
+    expert_parallel_s: float = 0.0  # a MoE model's token all-to-alls under ep (on the critical path)
 
     def overheads(self) -> dict[str, float]:
         """Seconds of the step beyond the matmuls, by cause (what limits scaling)."""
         return {"dp comm": self.exposed_dp_s, "tp": self.tensor_parallel_s, "pp bubble": self.bubble_s,
-                "pp sends": self.pipeline_p2p_s, "fsdp hooks": self.fsdp_overhead_s, "optimizer": self.optimizer_s}
+                "pp sends": self.pipeline_p2p_s, "fsdp hooks": self.fsdp_overhead_s, "optimizer": self.optimizer_s,
+                "ep all-to-all": self.expert_parallel_s}
 
     def limit(self) -> tuple[str, float]:
         """(the largest overhead, named so a reader knows what to change; its share of the step).
@@ -111,8 +123,12 @@ def _stage_counts(n_layers: int, n_stages: int, split: str) -> list[int]:
 
 def _stage_flops(args: ModelArgs, layout: Layout, seq_len: int, ac: bool, split: str = "even"
                  ) -> tuple[float, float]:
-    """(training FLOPs per token of the busiest pipeline rank, of the whole model)."""
-    _, _, block_mm = block_params(args)
+    """(training FLOPs per token of the busiest pipeline rank, of the whole model). A MoE
+    model's layers count their active matmul weights (top-k experts), averaged over layers."""
+    if is_moe(args):
+        block_mm = (args.matmul_params() - args.vocab_size * args.dim) / args.n_layers
+    else:
+        _, _, block_mm = block_params(args)
     layer = 6 * block_mm + 12 * args.n_heads * args.resolved_head_dim * seq_len
     head = 6 * args.vocab_size * args.dim
     layer_ac = layer * (AC_RECOMPUTE if ac else 1.0)
@@ -145,10 +161,11 @@ class _MicroBatch:
     fsdp_s: float  # FSDP's per-unit cost (hooks, copies, stream waits)
     rank_layers: int  # decoder layers this rank runs per micro-batch (for per-layer costs)
     units: int  # FSDP units of those layers, the root (embedding, final norm, head) included
+    ep_s: float = 0.0  # a MoE model's token all-to-alls
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.tp_s + self.fsdp_s
+        return self.compute_s + self.tp_s + self.fsdp_s + self.ep_s
 
 
 def _micro_batch(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, ac: bool, busiest: float,
@@ -175,18 +192,40 @@ def _micro_batch(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int
     # parallel.fsdp_blocks_per_unit=-1): fewer units, less per-unit cost.
     per_unit = auto_blocks_per_unit(args, micro_batch, seq_len, tp, layout.reshard_after_forward or pp > 1)
     units = math.ceil(rank_layers / per_unit) + 1  # + the root (embedding, final norm, head)
+    if layout.ep > 1:  # each MoE layer's experts are an FSDP2 unit of their own (on the expert mesh)
+        units += len(args.moe_layers)
     fsdp_mb = kern.fsdp_unit_s * passes * units if layout.fsdp else 0.0
-    return _MicroBatch(compute_mb, tp_mb, fsdp_mb, rank_layers, units)
+    return _MicroBatch(compute_mb, tp_mb, fsdp_mb, rank_layers, units, _all_to_all_mb(args, layout, tokens_mb, ac, hw))
 
 
-def _local_params(args: ModelArgs, layout: Layout, rank_layers: int) -> float:
-    """Parameters this rank holds after tp/pp (the largest pipeline rank), before dp sharding."""
+def _all_to_all_mb(args: ModelArgs, layout: Layout, tokens_mb: int, ac: bool, hw: Hardware) -> float:
+    """A micro-batch's token all-to-alls under ep: per MoE layer, ALL_TO_ALLS of its tokens'
+    k copies over the ep neighbours (ALL_TO_ALLS_CHECKPOINTED when the forward is recomputed),
+    and the split sizes' exchange before each forward dispatch (latency only)."""
+    if layout.ep == 1 or not is_moe(args):
+        return 0.0
+    fab, stride = hw.fabric, mesh_strides(layout)["dp_shard"]  # ep groups: neighbouring dp_shard ranks
+    rows = fab.all_to_all_s(dispatch_bytes(args, tokens_mb), layout.ep, stride)
+    sizes = fab.all_to_all_s(0.0, layout.ep, stride)
+    per_layer = (ALL_TO_ALLS_CHECKPOINTED if ac else ALL_TO_ALLS) * rows + (2 if ac else 1) * sizes
+    return len(args.moe_layers) * per_layer
+
+
+def _local_params(args: ModelArgs, layout: Layout, rank_layers: int) -> tuple[float, float]:
+    """(parameters this rank holds after tp/pp (the largest pipeline rank), before dp
+    sharding, that FSDP2 shards over dp_shard; a MoE model's routed experts under ep > 1,
+    num_experts / ep of each layer, which it shards over the dp_shard / ep ranks holding them)."""
+    if is_moe(args):  # no tp or pp (check_moe_layout): every layer, the embedding and the head
+        split = expert_split(args)
+        root = args.vocab_size * args.dim * (1 if args.tie_word_embeddings else 2) + args.dim
+        rest = split.blocks - split.experts + root
+        return (rest + split.experts, 0.0) if layout.ep == 1 else (rest, split.experts / layout.ep)
     tp = layout.tp
     p_block, p_block_tp, _ = block_params(args)
     block_local = p_block_tp / tp + (p_block - p_block_tp)
     vocab_rows = args.vocab_size * args.dim / tp
     return rank_layers * block_local + (2 * vocab_rows if layout.pp == 1 and not args.tie_word_embeddings
-                                        else vocab_rows)
+                                        else vocab_rows), 0.0
 
 
 @dataclass(frozen=True)
@@ -202,10 +241,12 @@ class _Collectives:
     across_nodes: bool  # some dp group spans nodes
 
 
-def _dp_collectives(layout: Layout, local: float, fsdp_units: int, hw: Hardware) -> _Collectives:
+def _dp_collectives(layout: Layout, local: float, fsdp_units: int, hw: Hardware, experts: float = 0.0,
+                    expert_units: int = 0) -> _Collectives:
     """DDP: fp32 gradients all-reduced in DDP_LAUNCH_BUCKET_BYTES launches. FSDP: per unit,
     an all-gather of its bf16 weights and a reduce-scatter of its fp32 gradients; HSDP adds
-    the shards' all-reduce across replicas."""
+    the shards' all-reduce across replicas. `experts` (a MoE model under ep > 1): the routed
+    experts' `expert_units` units (of fsdp_units) do the same over the dp_shard / ep ranks."""
     fab, stride, gpn = hw.fabric, mesh_strides(layout), hw.gpus_per_node
     units = fsdp_units
     gather = reduce = gather_lat = reduce_lat = 0.0
@@ -219,17 +260,39 @@ def _dp_collectives(layout: Layout, local: float, fsdp_units: int, hw: Hardware)
         across = crosses_nodes(layout, "dp_replicate", gpn)
     elif layout.fsdp:
         s, r = layout.dp_shard, layout.dp_replicate
+        n = units - expert_units  # the units sharded over dp_shard
         if s > 1:  # per unit: all-gather its bf16 weights; reduce-scatter its fp32 gradients
-            gather = units * fab.all_gather_s(2 * local / units, s, stride["dp_shard"])
-            gather_lat = units * fab.all_gather_s(0.0, s, stride["dp_shard"])
-            reduce = units * fab.reduce_scatter_s(4 * local / units, s, stride["dp_shard"])
+            gather = n * fab.all_gather_s(2 * local / n, s, stride["dp_shard"])
+            gather_lat = n * fab.all_gather_s(0.0, s, stride["dp_shard"])
+            reduce = n * fab.reduce_scatter_s(4 * local / n, s, stride["dp_shard"])
             reduce_lat = gather_lat
         if r > 1:  # HSDP: the shards' all-reduce across replicas (the trainer's mesh keeps shards inner)
-            reduce += units * fab.all_reduce_s(4 * local / s / units, r, stride["dp_replicate"])
-            reduce_lat += units * fab.all_reduce_s(0.0, r, stride["dp_replicate"])
+            reduce += n * fab.all_reduce_s(4 * local / s / n, r, stride["dp_replicate"])
+            reduce_lat += n * fab.all_reduce_s(0.0, r, stride["dp_replicate"])
+        if experts:
+            g = _expert_collectives(layout, experts, expert_units, hw)
+            gather, gather_lat, reduce, reduce_lat = (gather + g[0], gather_lat + g[1], reduce + g[2],
+                                                      reduce_lat + g[3])
         across = (s > 1 and crosses_nodes(layout, "dp_shard", gpn)) or \
                  (r > 1 and crosses_nodes(layout, "dp_replicate", gpn))
     return _Collectives(gather, reduce, gather_lat, reduce_lat, units, across)
+
+
+def _expert_collectives(layout: Layout, experts: float, units: int, hw: Hardware
+                        ) -> tuple[float, float, float, float]:
+    """(gather, its latency, reduce, its latency) of the routed experts' FSDP2 units under
+    ep: dp_shard / ep ranks holding the same experts, ep x tp apart (the expert mesh splits
+    dp_shard into dp_shard / ep outer x ep inner); HSDP's replicas all-reduce their shards."""
+    fab, stride = hw.fabric, mesh_strides(layout)
+    se, r, apart = layout.expert_shard, layout.dp_replicate, stride["dp_shard"] * layout.ep
+    gather = units * fab.all_gather_s(2 * experts / units, se, apart)
+    gather_lat = units * fab.all_gather_s(0.0, se, apart)
+    reduce = units * fab.reduce_scatter_s(4 * experts / units, se, apart)
+    reduce_lat = gather_lat
+    if r > 1:
+        reduce += units * fab.all_reduce_s(4 * experts / se / units, r, stride["dp_replicate"])
+        reduce_lat += units * fab.all_reduce_s(0.0, r, stride["dp_replicate"])
+    return gather, gather_lat, reduce, reduce_lat
 
 
 def _dp_per_step(c: _Collectives, layout: Layout, m: int, fwd_mb: float, bwd_mb: float
@@ -277,6 +340,7 @@ def _optimizer_seconds(args: ModelArgs, layout: Layout, rank_layers: int, optimi
 def estimate_step_time(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, global_batch: int,
                        ac: bool, hw: Hardware, optimizer: OptimizerChoice = ADAMW) -> StepTime:
     """Seconds per optimizer step on one GPU, by the cost model in the module docstring."""
+    check_moe_layout(args, layout.dp_shard, layout.tp, layout.pp, layout.ep)
     pp, v = layout.pp, layout.stages_per_rank
     per_rank = global_batch // layout.dp_size
     m = per_rank // micro_batch  # micro-batches per step (the pipeline's under pp)
@@ -291,7 +355,8 @@ def estimate_step_time(args: ModelArgs, layout: Layout, micro_batch: int, seq_le
     fwd_mb = rank_mb / 3 / (AC_RECOMPUTE if ac else 1.0)
     bwd_mb = rank_mb - fwd_mb
 
-    collectives = _dp_collectives(layout, _local_params(args, layout, mb.rank_layers), mb.units, hw)
+    local, experts = _local_params(args, layout, mb.rank_layers)
+    collectives = _dp_collectives(layout, local, mb.units, hw, experts, len(args.moe_layers) if experts else 0)
     dp_s, dp_lat, exposed = _dp_per_step(collectives, layout, m, fwd_mb, bwd_mb)
     p2p = _pipeline_sends(args, layout, micro_batch * seq_len, m, hw)
     optimizer_s = _optimizer_seconds(args, layout, mb.rank_layers, optimizer, hw, bwd_mb)
@@ -299,6 +364,7 @@ def estimate_step_time(args: ModelArgs, layout: Layout, micro_batch: int, seq_le
     tokens = global_batch * seq_len
     mfu = (model_flops * tokens / total) / (hw.gpus * hw.peak_flops)
     return StepTime(compute_s=mb.compute_s * (m + (pp - 1) / v), tensor_parallel_s=mb.tp_s * m,
+                    expert_parallel_s=mb.ep_s * m,
                     fsdp_overhead_s=mb.fsdp_s * m, data_parallel_s=dp_s, exposed_dp_s=exposed,
                     pipeline_bubble=bubble, pipeline_p2p_s=p2p, optimizer_s=optimizer_s, total_s=total,
                     tokens_per_s_per_gpu=tokens / total / hw.gpus, mfu=mfu,
