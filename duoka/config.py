@@ -222,6 +222,12 @@ class ParallelConfig:
                      "tokens by all-to-all; the expert weights are FSDP2-sharded over the dp_shard / ep ranks "
                      "holding the same experts, everything else as without ep. Needs dp_mode=fsdp; must divide "
                      "dp_shard and the model's num_experts.", min=1)
+    cp: int = opt(1, "Context-parallel degree: each sequence split over cp neighbouring dp_shard ranks, which share "
+                     "their data; with 2 x cp chunks, rank i holds chunk i and chunk 2cp-1-i (causal attention's "
+                     "work balanced), and attention reads every rank's keys and values, all-gathered (Llama 3's "
+                     "context parallelism: document masks need nothing special). FSDP2 shards over all of "
+                     "dp_shard. Needs dp_mode=fsdp; must divide dp_shard; training.seq_len a multiple of 2 x cp; "
+                     "not with tp, pp, ep or load balancing yet.", min=1)
     pp_schedule: str = opt("1f1b", "Pipeline schedule: gpipe, 1f1b, interleaved_1f1b (needs "
                                    "pp_stages_per_rank >= 2), zero_bubble (interleaved zero-bubble, needs "
                                    "pp_stages_per_rank >= 2).",

@@ -22,6 +22,7 @@ from duoka.errors import DuokaError
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 EXPERT_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
+CONTEXT_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_cp", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,9 @@ class ParallelDims:
     ep: int = 1
     """Expert parallelism: dp_shard splits into dp_shard // ep groups (outer) of ep ranks (inner,
     neighbours); expert_mesh() names the two."""
+    cp: int = 1
+    """Context parallelism: dp_shard splits into dp_shard // cp groups of cp neighbouring ranks
+    that share one batch and split its sequences; context_mesh() names the two."""
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> "ParallelDims":
@@ -80,7 +84,10 @@ class ParallelDims:
             raise DuokaError(f"parallel.ep={ep} splits the experts over dp_shard ranks, but dp_mode={cfg.dp_mode} "
                              f"with dp_shard={shard}",
                              f"set parallel.dp_mode=fsdp and choose ep from {_divisors(shard)} (dividing dp_shard)")
-        return cls(cfg.dp_mode, rep, shard, world_size, tp, pp, ep)
+        cp = cfg.cp
+        if cp > 1:
+            _check_context_parallel(cfg, shard, tp, pp, ep)
+        return cls(cfg.dp_mode, rep, shard, world_size, tp, pp, ep, cp)
 
     def check_model(self, n_heads: int, n_kv_heads: int, n_layers: int, stages_per_rank: int = 1,
                     num_experts: int = 0) -> None:
@@ -102,6 +109,13 @@ class ParallelDims:
 
     @property
     def dp_size(self) -> int:
+        """Data-parallel ranks: ranks with batches of their own (a cp group shares one)."""
+        return self.dp_replicate * self.dp_shard // self.cp
+
+    @property
+    def fsdp_size(self) -> int:
+        """Ranks the parameters are sharded or replicated over, whose gradients are averaged:
+        every data-parallel rank and, under cp, each one's cp ranks too."""
         return self.dp_replicate * self.dp_shard
 
     @property
@@ -133,8 +147,18 @@ class ParallelDims:
         return out
 
     def dp_rank(self, rank: int) -> int:
+        """Which batch shard `rank` trains on (its cp group's, under cp)."""
         c = self.coordinates(rank)
-        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
+        return (c["dp_replicate"] * self.dp_shard + c["dp_shard"]) // self.cp
+
+    def cp_rank(self, rank: int) -> int:
+        """`rank`'s place in its cp group (which chunks of the sequence it holds)."""
+        return self.coordinates(rank)["dp_shard"] % self.cp
+
+    def context_mesh(self, device_type: str) -> DeviceMesh:
+        """dp_shard split into (dp_shard_mod_cp, cp), cp inner: a cp group is cp neighbours."""
+        sizes = (self.pp, self.dp_replicate, self.dp_shard // self.cp, self.cp, self.tp)
+        return init_device_mesh(device_type, sizes, mesh_dim_names=CONTEXT_MESH_DIMS)
 
     def describe(self) -> str:
         if not self.fsdp:
@@ -148,7 +172,22 @@ class ParallelDims:
         parts = [dp] if self.dp_size > 1 or not self.model_parallel else []
         parts += ([f"TP x{self.tp}"] if self.tp > 1 else []) + ([f"PP x{self.pp}"] if self.pp > 1 else [])
         parts += [f"EP x{self.ep}"] if self.ep > 1 else []
+        parts += [f"CP x{self.cp}"] if self.cp > 1 else []
         return " | ".join(parts)
+
+
+def _check_context_parallel(cfg: ParallelConfig, shard: int, tp: int, pp: int, ep: int) -> None:
+    cp = cfg.cp
+    if cfg.dp_mode != "fsdp" or shard % cp:
+        raise DuokaError(f"parallel.cp={cp} splits each sequence over dp_shard ranks, but dp_mode={cfg.dp_mode} "
+                         f"with dp_shard={shard}",
+                         f"set parallel.dp_mode=fsdp and choose cp from {_divisors(shard)} (dividing dp_shard)")
+    others = [(tp > 1, f"parallel.tp={tp}"), (pp > 1, f"parallel.pp={pp}"), (ep > 1, f"parallel.ep={ep}"),
+              (cfg.balance != "off", f"parallel.balance={cfg.balance}")]
+    for refused, what in others:
+        if refused:
+            raise DuokaError(f"parallel.cp={cp} does not combine with {what} yet",
+                             f"use parallel.cp=1, or {what.split('=')[0]} at its default")
 
 
 def _divisors(n: int) -> list[int]:

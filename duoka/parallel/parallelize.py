@@ -274,7 +274,7 @@ def shard_experts_fsdp(experts: list[nn.Module], dims: ParallelDims, expert_mesh
     for module in experts:
         fully_shard(module, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard,
                     shard_placement_fn=lambda param: Shard(1))
-        module.set_gradient_divide_factor(float(dims.dp_size))
+        module.set_gradient_divide_factor(float(dims.fsdp_size))
         # gloo has no PREMUL_SUM: sum, then divide. Not on a mesh of one rank, where FSDP2
         # divides in its copy instead and a forced sum would divide twice (torch 2.13).
         if expert_mesh.device_type != "cuda" and dp_mesh.size() > 1:

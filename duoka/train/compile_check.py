@@ -38,12 +38,13 @@ CHECK_BATCH, CHECK_SEQ = 2, 64
 CAUSE_CHARS = 240  # of the error's message in the one-line warning; the whole error goes to a file
 
 
-def compile_wanted(choice: bool | str, device: torch.device, ep: int = 1) -> bool:
+def compile_wanted(choice: bool | str, device: torch.device, ep: int = 1, cp: int = 1) -> bool:
     """training.compile: auto is on for CUDA, off on CPU (there compiling a step takes
-    longer than the steps of a CPU-sized run save) and under expert parallelism (its token
+    longer than the steps of a CPU-sized run save), under expert parallelism (its token
     dispatch reads the all-to-all's sizes on the host, which a block compiled as one graph
-    cannot hold; check_moe_layout refuses compile=true with ep > 1)."""
-    return device.type == "cuda" and ep == 1 if choice == "auto" else bool(choice)
+    cannot hold; check_moe_layout refuses compile=true with ep > 1) and under context
+    parallelism (its gathered attention is checked eager on CPU only so far; true compiles it)."""
+    return device.type == "cuda" and ep == 1 and cp == 1 if choice == "auto" else bool(choice)
 
 
 def failing_ranks(text: str, world: int) -> set[int]:

@@ -83,6 +83,10 @@ def resolve_run(cfg: Config, world: int, on_gpu: bool, log: Log) -> RunSpec:
             "but the adapter means nothing outside this run; set model.path to fine-tune a real model")
     failing_ranks(cfg.debug.fail_compile_ranks, world)
     micro_batch, blocks_per_unit, stage_layers = _batch_layout(cfg, args, dims)
+    if cfg.training.seq_len % (2 * dims.cp):
+        raise DuokaError(f"training.seq_len={cfg.training.seq_len} does not cut into 2 x parallel.cp = {2 * dims.cp} "
+                         "equal chunks (each cp rank holds two, one from each end, to balance causal attention)",
+                         f"use a training.seq_len that is a multiple of {2 * dims.cp}")
     if cfg.training.seq_len > args.context_len:
         raise DuokaError(f"training.seq_len={cfg.training.seq_len} exceeds the model's {args.context_len} positions",
                          f"use training.seq_len <= {args.context_len}, or a config.json whose rope_scaling extends "
@@ -109,6 +113,8 @@ def check_moe_layout(cfg: Config, dims: ParallelDims, args: ModelArgs) -> None:
         (dims.pp > 1, f"parallel.pp={dims.pp}", "train it with data parallelism (FSDP2 or DDP): set parallel.pp=1"),
         (cfg.training.float8 != "none", f"training.float8={cfg.training.float8}", "set training.float8=none"),
         (cfg.lora.rank > 0, f"LoRA (lora.rank={cfg.lora.rank})", "set lora.rank=0: train the whole model"),
+        (dims.cp > 1, f"parallel.cp={dims.cp} (the router's load-balancing loss is a function of the routing of "
+         "whole sequences, not of a rank's chunks)", "set parallel.cp=1, or train a dense model"),
         (dims.ep > 1 and cfg.training.compile is True, f"training.compile=true and parallel.ep={dims.ep} (the "
          "token dispatch reads the all-to-all's sizes on the host, which a block compiled as one graph cannot hold)",
          "set training.compile=auto (off under expert parallelism) or parallel.ep=1"),

@@ -41,6 +41,7 @@ from duoka.host.devices import compute_dtype_name
 from duoka.models.lora import trainable_numel
 from duoka.models.loss import IGNORE_INDEX, compiled_cross_entropy_sum, cross_entropy_sum
 from duoka.models.qwen2.args import ModelArgs
+from duoka.models.qwen2.context_parallel import ContextGroup, shard_sequence
 from duoka.monitor.mfu import peak_flops
 from duoka.parallel.dims import ParallelDims
 from duoka.parallel.dtensor import full_value, total_norm
@@ -85,6 +86,9 @@ class Trainer:
         self.mesh = dims.build_mesh(device.type)
         coords = dims.coordinates(self.rank)
         self.dp_rank, self.dp_size = dims.dp_rank(self.rank), dims.dp_size
+        # Context parallelism: this rank's cp group, which splits each sequence of its batch.
+        self.context = (ContextGroup(dims.context_mesh(device.type)["cp"].get_group(), dims.cp, dims.cp_rank(self.rank))
+                        if dims.cp > 1 else None)
         # Ranks that differ only in tp or pp coordinate see the same data; one of each such
         # group counts its tokens and loss in the metrics: tp rank 0 of the last pp stage.
         self.counts_for_metrics = coords["tp"] == 0 and coords["pp"] == dims.pp - 1
@@ -175,7 +179,7 @@ class Trainer:
         """training.compile for this device, checked on every rank before the model exists
         (duoka.train.compile_check): False on all ranks where it failed on any."""
         cfg, dims, device = self.cfg, self.dims, self.device
-        if not compile_wanted(cfg.training.compile, device, dims.ep):
+        if not compile_wanted(cfg.training.compile, device, dims.ep, dims.cp):
             return False
         # The check runs the block as the step will: FSDP2 casts the parameters to the
         # compute dtype, DDP keeps them fp32 under autocast.
@@ -202,17 +206,23 @@ class Trainer:
         """This rank's micro-batches of the step, built on the host by the data thread. Under
         pp the model derives varlen offsets from the document ids itself (the schedule splits
         the batch and cannot split offsets by sample)."""
-        varlen = self.options.document_masking == "varlen" and self.dims.pp == 1
+        varlen = self.options.document_masking == "varlen" and self.dims.pp == 1 and self.context is None
         offset, sizes = self.balance.plan(step, self.dp_rank)
-        return [step_inputs(b, IGNORE_INDEX, self.eot, varlen, always_positions=self.dims.model_parallel)
-                for b in share_batches(self.data, step, self.cfg.training.global_batch_size, offset, sizes,
-                                       self.cfg.training.seed)]
+        batches = [step_inputs(b, IGNORE_INDEX, self.eot, varlen,
+                               always_positions=self.dims.model_parallel or self.context is not None)
+                   for b in share_batches(self.data, step, self.cfg.training.global_batch_size, offset, sizes,
+                                          self.cfg.training.seed)]
+        if self.context is not None:  # every cp rank drew the group's batch: each keeps its chunks
+            batches = [shard_sequence(b, self.context.size, self.context.rank) for b in batches]
+        return batches
 
     # ------------------------------------------------------------------ one step
 
     def _normalised(self, ce: torch.Tensor) -> torch.Tensor:
-        """The loss whose gradient is exact under every layout (see the module doc)."""
-        return ce * self.dp_size / self.global_tokens
+        """The loss whose gradient is exact under every layout (see the module doc): the
+        gradient reduction averages over fsdp_size ranks (cp ranks included, each holding
+        its own tokens' loss)."""
+        return ce * self.dims.fsdp_size / self.global_tokens
 
     def _pipeline_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self._normalised(cross_entropy_sum(logits, labels))
@@ -241,14 +251,15 @@ class Trainer:
     def _summed_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Summed cross-entropy in fp32. A function of its own so that the logits go out of
         scope before backward (a caller's variable would keep them alive through it)."""
+        context = {"context": self.context} if self.context is not None else {}
         if self.fused_loss:
             with self._autocast():
-                return self.model(**batch)  # the model applies the head and the loss together
+                return self.model(**batch, **context)  # the model applies the head and the loss together
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         with self._autocast():
             # A MoE model's router load-balancing term comes with the logits (see the module doc).
-            logits, aux = (self.model(**inputs, with_router_aux=True) if self.router_aux
-                           else (self.model(**inputs), None))
+            logits, aux = (self.model(**inputs, **context, with_router_aux=True) if self.router_aux
+                           else (self.model(**inputs, **context), None))
         if self.compile_loss:
             ce = compiled_cross_entropy_sum(logits, batch["labels"], varying_batch=self.balance.varying_batch)
         else:
@@ -260,7 +271,7 @@ class Trainer:
         if self.pipeline is not None:
             with phases("pipeline"):  # forward and backward interleave inside the schedule
                 normalised = self.pipeline.step(micro, self._loss_context)
-            return normalised * self.global_tokens.double() / self.dp_size
+            return normalised * self.global_tokens.double() / self.dims.fsdp_size
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(micro):
             self.balance.before_micro_batch(len(batch["tokens"]))

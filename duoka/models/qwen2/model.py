@@ -41,6 +41,7 @@ from duoka.models.lora import (
 )
 from duoka.models.loss import IGNORE_INDEX, chunked_cross_entropy
 from duoka.models.qwen2.args import DOCUMENT_MASKING, ModelArgs, ModelOptions
+from duoka.models.qwen2.context_parallel import ContextGroup, ContextMask, context_mask
 from duoka.models.qwen2.moe import MoE, RoutingRecorder, RoutingStats, load_balancing_loss
 from duoka.models.qwen2.paged import PagedBatch, causal_varlen, paged_attention
 from duoka.models.qwen2.rope import apply_rope, rope_cos_sin
@@ -235,6 +236,10 @@ class Attention(nn.Module):
         gqa = q.shape[1] != k.shape[1]
         if isinstance(mask, PagedBatch):
             return self.wo(paged_attention(q, k, v, mask))
+        if isinstance(mask, ContextMask):  # every cp rank's keys and values, this rank's queries
+            k, v = mask.gather(k), mask.gather(v)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.allowed, enable_gqa=gqa)
+            return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
         if mask is None:  # plain causal attention: the fused kernels' fast path
             with sdpa_kernel(self.sdpa_backend) if self.sdpa_backend is not None else contextlib.nullcontext():
                 out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -431,6 +436,7 @@ class Qwen2(nn.Module):
         labels: torch.Tensor | None = None,
         paged: PagedBatch | None = None,
         with_router_aux: bool = False,
+        context: ContextGroup | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """tokens: [batch, seq] -> logits [batch, seq, vocab] in the compute dtype, or with
         labels [batch, seq] the summed fp32 cross-entropy, computed chunk by chunk with the
@@ -447,7 +453,9 @@ class Qwen2(nn.Module):
         duoka.data.dataset.document_layout). cu_seqlens: document_starts(document_ids)
         precomputed, for the varlen backend. paged: a serving step (duoka.models.qwen2.paged):
         tokens [1, T] with their context positions [T]; returns the logits [S, vocab] of the
-        rows paged.logits_indices only, so a long prefill never materialises T x vocab."""
+        rows paged.logits_indices only, so a long prefill never materialises T x vocab.
+        context: under context parallelism the group the sequence is split over; tokens,
+        positions, labels and document_ids are then this rank's chunks (context_parallel.py)."""
         h = self.tok_embeddings(tokens) if self.takes_tokens else tokens
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=h.device)
@@ -455,7 +463,9 @@ class Qwen2(nn.Module):
         rope = rope_cos_sin(positions, args.resolved_head_dim, args.rope_theta, h.dtype, args.rope_scaling,
                             args.max_seq_len)
         mask = paged
-        if document_ids is not None:
+        if context is not None:
+            mask = context_mask(context, tokens.shape[1], document_ids, h.device)
+        elif document_ids is not None:
             mask = document_mask(document_ids, self.options.document_masking, cu_seqlens)
         h, routing = self._layers(h, rope, mask)
         aux = self.router_aux_loss(routing) if labels is not None or with_router_aux else None

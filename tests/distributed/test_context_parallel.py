@@ -1,0 +1,59 @@
+"""Context parallelism (parallel.cp) computes what one process computes (CPU, gloo, fp32),
+through the real `duoka train` of the layout configuration: per-step loss and gradient norm,
+and the exported weights. The bundled corpus packs documents into each window, so the default
+runs check the document mask across cp ranks; one run turns document masking off."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+FSDP = ("--parallel.dp_mode=fsdp",)
+NO_DOCUMENTS = ("--data.document_masking=false",)
+
+
+def _cp_run(layout_runs, ranks: int, cp: int, *extra: str):
+    # A checkpoint at step 3: the resume test continues one under another cp.
+    return layout_runs.once(f"--nproc-per-node={ranks}", *FSDP, f"--parallel.cp={cp}", "--checkpoint.interval=3",
+                            *extra)
+
+
+@pytest.mark.parametrize("ranks, cp, extra", [
+    (2, 2, ()),  # each rank holds 2 of 4 chunks of every window, documents masked across them
+    (4, 4, NO_DOCUMENTS),  # plain causal attention over 8 chunks
+    # Two cp groups of 2 with batches of their own, one sample per micro-batch (accumulation).
+    (4, 2, ("--training.micro_batch_size=1",)),
+], ids=["cp2-documents", "cp4-causal", "cp2-of-4-accumulating"])
+def test_cp_matches_one_process(layout_runs, assert_same_run, once_stderr, ranks, cp, extra):
+    reference = layout_runs.once("--nproc-per-node=1", *(a for a in extra if a in NO_DOCUMENTS))
+    run = _cp_run(layout_runs, ranks, cp, *extra)
+    assert f"FSDP2 x{ranks} | CP x{cp}" in once_stderr(run)
+    assert_same_run(run, reference)
+
+
+def test_a_checkpoint_resumes_under_another_cp(layout_runs, reference, records, assert_same_run, tmp_path):
+    """cp 2 on 4 ranks saves at step 3; cp 4 continues: steps 4 and 5 and the final weights
+    as one process has them (the parameters never depended on cp)."""
+    first = _cp_run(layout_runs, 4, 2, "--training.micro_batch_size=1")
+    second = tmp_path / "second"
+    layout_runs(second, f"--checkpoint.resume={first / 'checkpoints' / 'step-3'}", "--nproc-per-node=4", *FSDP,
+                "--parallel.cp=4")
+    got, ref = records(second), records(reference)
+    assert [r["step"] for r in got] == [4, 5]
+    full = tmp_path / "full"  # assert_same_run reads whole runs: the first three records are the reference's
+    shutil.copytree(second, full)
+    (full / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ref[:3] + got))
+    assert_same_run(full, reference)
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--nproc-per-node=2", "--parallel.dp_mode=ddp", "--parallel.cp=2"), "set parallel.dp_mode=fsdp"),
+    (("--nproc-per-node=2", *FSDP, "--parallel.cp=2", "--training.seq_len=66"), "multiple of 4"),
+    (("--nproc-per-node=2", *FSDP, "--parallel.cp=2", "--model.flavor=qwen2-moe-tiny"), "load-balancing loss"),
+    (("--nproc-per-node=4", *FSDP, "--parallel.cp=2", "--parallel.tp=2"), "does not combine with parallel.tp=2"),
+], ids=["ddp", "seq-len", "moe", "tp"])
+def test_cp_refusals_name_the_fix(in_process, tmp_path, args, message):
+    proc = in_process("train", f"--job.output_dir={tmp_path / 'run'}", "--training.steps=1", *args)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
