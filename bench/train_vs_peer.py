@@ -11,7 +11,8 @@ Both sides train on random tokens at seq 2048 in bf16 (duoka: `data.path=random`
 process per visible GPU, global batch = micro-batch x GPUs (no accumulation), warmup
 steps excluded. duoka's figure is total tokens over total step time of the timed steps
 from metrics.jsonl; the peer prints its own (its timing loop, its MFU formula, which is
-the same PaLM convention as ours).
+the same PaLM convention as ours). bench/moe_vs_peer.py runs the MoE shapes through the same
+run_duoka and run_peer (their `extra` flags: the optimizer, a cut model's folder).
 """
 
 from __future__ import annotations
@@ -23,28 +24,35 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-FLAVOR = {"0.5b": "qwen2-0.5b", "1.5b": "qwen2-1.5b", "7b": "qwen2-7b"}
+# The peer's shape names (bench/peers/qwen2_shapes.py) -> duoka's flavors of the same shapes.
+FLAVOR = {"0.5b": "qwen2-0.5b", "1.5b": "qwen2-1.5b", "7b": "qwen2-7b", "moe-a2.7b": "qwen2-moe-a2.7b",
+          "moe-57b": "qwen2-57b-a14b", "moe-tiny": "qwen2-moe-tiny"}
 PEER_MODE = {"ddp": "ddp", "fsdp": "fsdp2"}
 
 
 def gpu_count() -> int:
+    """Processes per side: one per GPU; one on a machine without GPUs (a CPU smoke run)."""
     import torch
 
-    return torch.cuda.device_count()
+    return max(1, torch.cuda.device_count())
 
 
-def run_duoka(model: str, layout: str, mbs: int, seq: int, steps: int, warmup: int, compile: bool, timeout: int) -> dict:
+def run_duoka(model: str, layout: str, mbs: int, seq: int, steps: int, warmup: int, compile: bool, timeout: int,
+              extra: Sequence[str] = ()) -> dict:
+    """extra: further config overrides; a `--model.path=` among them replaces the flavor."""
     n = gpu_count()
     run = Path(tempfile.mkdtemp(prefix="duoka-bench-")) / "run"
-    cmd = [sys.executable, "-m", "duoka.cli", "train", f"--job.output_dir={run}", f"--model.flavor={FLAVOR[model]}",
+    shape = [] if any(x.startswith("--model.path=") for x in extra) else [f"--model.flavor={FLAVOR[model]}"]
+    cmd = [sys.executable, "-m", "duoka.cli", "train", f"--job.output_dir={run}", *shape,
            "--data.path=random", f"--training.seq_len={seq}", f"--training.micro_batch_size={mbs}",
            f"--training.global_batch_size={mbs * n}", f"--training.steps={steps}", "--training.dtype=bf16",
            f"--parallel.dp_mode={layout}", f"--training.compile={str(compile).lower()}",
            "--checkpoint.interval=0", "--checkpoint.export_final=false", "--metrics.log_interval=5",
-           "--optimizer.warmup_steps=2"]
+           "--optimizer.warmup_steps=2", *extra]
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
@@ -56,16 +64,22 @@ def run_duoka(model: str, layout: str, mbs: int, seq: int, steps: int, warmup: i
     seconds = sum(r["step_time_s"] for r in recs)
     tps_gpu = tokens / seconds / n
     mfu = sum(r["mfu"] * r["step_time_s"] for r in recs) / seconds if recs[0]["mfu"] is not None else None
-    return {"tok_s_gpu": round(tps_gpu), "mfu_pct": round(100 * mfu, 1) if mfu else None,
-            "peak_mem_gib": round(max(r.get("peak_mem_gib", 0) for r in recs), 1),
-            "step_s": round(seconds / len(recs), 4), "final_loss": round(recs[-1]["loss"], 3), "wall_s": round(wall, 1)}
+    result = {"tok_s_gpu": round(tps_gpu), "mfu_pct": round(100 * mfu, 1) if mfu else None,
+              "peak_mem_gib": round(max(r.get("peak_mem_gib", 0) for r in recs), 1),
+              "step_s": round(seconds / len(recs), 4), "final_loss": round(recs[-1]["loss"], 3),
+              "wall_s": round(wall, 1)}
+    loads = [r["expert_load"] for r in recs if "expert_load" in r]  # a MoE's routing, last timed step
+    if loads:
+        result["expert_max_imbalance"] = loads[-1]["max_imbalance"]
+    return result
 
 
 def run_peer(peer: Path, model: str, layout: str, mbs: int, seq: int, steps: int, warmup: int, compile: bool,
-             timeout: int) -> dict:
+             timeout: int, extra: Sequence[str] = ()) -> dict:
+    """extra: further peer flags (--optimizer, --layers)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={gpu_count()}", str(peer),
            f"--model={model}", f"--mode={PEER_MODE[layout]}", f"--seq={seq}", f"--mbs={mbs}", f"--steps={steps - warmup}",
-           f"--warmup={warmup}"] + (["--compile"] if compile else [])
+           f"--warmup={warmup}"] + (["--compile"] if compile else []) + list(extra)
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t
@@ -73,8 +87,9 @@ def run_peer(peer: Path, model: str, layout: str, mbs: int, seq: int, steps: int
     if proc.returncode != 0 or not lines:
         return {"error": (proc.stderr or proc.stdout)[-1500:]}
     r = json.loads(lines[-1][len("RESULT "):])
+    moe = {k: r[k] for k in ("experts", "aux_loss") if k in r}
     return {"tok_s_gpu": r["tok_s_gpu"], "mfu_pct": r["mfu_pct"], "peak_mem_gib": r["peak_mem_gib"],
-            "step_s": r["step_s"], "final_loss": r["loss"], "wall_s": round(wall, 1)}
+            "step_s": r["step_s"], "final_loss": r["loss"], **moe, "wall_s": round(wall, 1)}
 
 
 def main() -> None:

@@ -6,7 +6,9 @@ its own server has given the GPU back; bench/serve_vs_peer.sh drives that.
 
     python bench/peers/serve_peer.py --model 7b --requests 256 --prompt-min 128 --prompt-max 1024 --out-len 256
     python bench/peers/serve_peer.py --model 7b --case batch1
+    python bench/peers/serve_peer.py --model moe-a2.7b --case continuous  # bench/serve_moe.py runs this
     python bench/peers/serve_peer.py --model tiny --requests 4 --prompt-min 8 --prompt-max 16 --out-len 8  # CPU
+    python bench/peers/serve_peer.py --model moe-tiny --requests 4 --prompt-min 8 --prompt-max 16 --out-len 8  # CPU
 
 Workload (`continuous`): --requests prompts of uniformly random token ids, one
 random.Random(0) drawing every length first, uniform in [--prompt-min, --prompt-max], then
@@ -17,6 +19,10 @@ end-of-text token to stop it). A warm-up call on the first 8 prompts, then one t
 --max-batch-tokens size transformers' paged cache, 0: its defaults). `batch1`: one
 128-token random prompt (torch generator seeded 0) through `generate` with the static cache,
 which `generate` compiles; two warm-up calls, then the median of three timed ones.
+
+A MoE shape (`moe-*`) is transformers' Qwen2MoeForCausalLM, its experts through transformers'
+default experts implementation (grouped_mm since transformers 5), which each line names
+(`experts`).
 
 Prints one JSON line per case, each with its `case` (`continuous_batching`,
 `batch1_static_compiled`): output_tokens_per_s, total_tokens_per_s (prompt + output tokens
@@ -43,19 +49,30 @@ import random
 import time
 
 import torch
-from qwen2_shapes import COMMON, CONFIGS
+from qwen2_shapes import CONFIGS, hf_model, is_moe
 
 
 def build(name: str, attn: str):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    cfg = Qwen2Config(**CONFIGS[name], **COMMON, attn_implementation=attn, bos_token_id=None, eos_token_id=None,
-                      pad_token_id=0)
+    c = CONFIGS[name]
     torch.manual_seed(0)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    with torch.device(dev):
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16 if dev == "cuda" else torch.float32).eval()
-    return model, dev
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    # A MoE is made in bf16 from the start: Qwen1.5-MoE-A2.7B's fp32 copy (57 GB) beside its
+    # bf16 one would not fit an 80 GB GPU. The dense shapes keep the recorded runs' fp32 init.
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype if is_moe(c) else torch.float32)
+    try:
+        with torch.device(dev):
+            model = hf_model(c, attn_implementation=attn, bos_token_id=None, eos_token_id=None, pad_token_id=0)
+    finally:
+        torch.set_default_dtype(before)
+    return model.to(dtype).eval(), dev
+
+
+def experts(model) -> dict:
+    """A MoE's experts implementation as transformers resolved it at init; nothing for a dense model."""
+    name = getattr(model.config, "_experts_implementation", None) if is_moe(model.config.to_dict()) else None
+    return {"experts": name} if name else {}
 
 
 def workload(a: argparse.Namespace, vocab: int) -> list[list[int]]:
@@ -100,7 +117,7 @@ def continuous(a: argparse.Namespace) -> dict:
     return dict(case="continuous_batching", model=a.model, attn=a.attn, requests=a.requests,
                 prompt_tokens=prompt_tokens, output_tokens=produced, wall_s=wall,
                 output_tokens_per_s=produced / wall, total_tokens_per_s=(produced + prompt_tokens) / wall,
-                peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None)
+                peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if dev == "cuda" else None, **experts(model))
 
 
 def batch1(a: argparse.Namespace) -> dict:
@@ -122,7 +139,7 @@ def batch1(a: argparse.Namespace) -> dict:
         times.append(time.perf_counter() - t)
     n = out.shape[1] - ids.shape[1]
     return dict(case="batch1_static_compiled", model=a.model, new_tokens=n, wall_s=sorted(times)[1],
-                tokens_per_s=n / sorted(times)[1])
+                tokens_per_s=n / sorted(times)[1], **experts(model))
 
 
 def main() -> None:

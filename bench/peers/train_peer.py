@@ -1,11 +1,15 @@
-"""The training peer: Hugging Face transformers' Qwen2ForCausalLM trained with plain PyTorch
-DDP or FSDP2 on random tokens, as a user of today's standard stack would. `duoka bench
---vs-peer` runs it (its default --peer), and so do bench/speed_sweep.py's `peer` cases and
-bench/train_vs_peer.py. Run it under torchrun, one process per GPU:
+"""The training peer: Hugging Face transformers' Qwen2ForCausalLM (Qwen2MoeForCausalLM for the
+MoE shapes) trained with plain PyTorch DDP or FSDP2 on random tokens, as a user of today's
+standard stack would. `duoka bench --vs-peer` runs it (its default --peer), and so do
+bench/speed_sweep.py's `peer` cases, bench/train_vs_peer.py and bench/moe_vs_peer.py. Run it
+under torchrun, one process per GPU:
 
     torchrun --nproc-per-node=1 bench/peers/train_peer.py --model 0.5b --mode ddp --mbs 8 --compile
     torchrun --nproc-per-node=2 bench/peers/train_peer.py --model 7b --mode fsdp2 --mbs 4 --compile
+    torchrun --nproc-per-node=1 bench/peers/train_peer.py --model moe-a2.7b --mode fsdp2 --mbs 4 --optimizer sgd
     torchrun --nproc-per-node=1 bench/peers/train_peer.py --model tiny --seq 64 --mbs 2 --steps 2 --warmup 1  # CPU
+    torchrun --nproc-per-node=1 bench/peers/train_peer.py --model moe-tiny --mode fsdp2 --seq 64 --mbs 2 \
+        --steps 2 --warmup 1 --optimizer sgd  # CPU
 
 Workload: the shape's Qwen2 (bench/peers/qwen2_shapes.py) built on the device from seed 0,
 SDPA attention; each rank draws its own random tokens (generator seeded with its rank),
@@ -16,11 +20,23 @@ the global batch is --mbs x processes. `--compile` compiles each decoder layer
 (`layer.compile()`), `--liger` applies Liger kernels (pip install liger-kernel; fused
 cross-entropy, RMSNorm, RoPE, SwiGLU), `--ac` turns on transformers' gradient checkpointing.
 `--warmup` untimed steps, then `--steps` timed ones between two synchronisations.
+`--optimizer sgd`: plain SGD (no momentum, no weight decay, foreach) instead of AdamW, for a
+model whose AdamW state does not fit (Qwen1.5-MoE-A2.7B on one GPU: bench/moe_vs_peer.py).
+`--layers N`: the shape with N decoder layers instead of its published count.
+
+MoE shapes (`moe-*`): transformers' Qwen2MoeForCausalLM with output_router_logits on and
+router_aux_loss_coef 0.001 (qwen2_shapes.MOE_TRAINING, as duoka's MoE flavors train from
+scratch), so its loss adds the router's load-balancing term; its experts run through
+transformers' default experts implementation (grouped_mm since transformers 5; `--experts`
+picks another) in the weights' dtype, which is why they train under `--mode fsdp2` (bf16
+parameters; DDP keeps fp32 ones). The FLOPs count the active weights (the top-k routed
+experts, the shared expert, the router), duoka's convention.
 
 Prints one line on rank 0: `RESULT {json}` with tok_s_gpu (tokens per second per GPU: mbs x
 seq / mean step time), tflops_gpu and mfu_pct (flops_per_token: PaLM's convention, over
 --peak, 989e12 for H100/H200 SXM bf16), peak_mem_gib (torch.cuda.max_memory_allocated over
-the timed steps), step_s, the last loss and the versions. duoka/bench/training.py's run_peer
+the timed steps), step_s, the last loss (and for a MoE its aux_loss and the experts
+implementation that ran) and the versions. duoka/bench/training.py's run_peer
 reads tok_s_gpu, mfu_pct, peak_mem_gib and step_s.
 
 The figures it reproduces (the recorded peer, 2 x H200 over NVLink, torch 2.11,
@@ -66,7 +82,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from qwen2_shapes import COMMON, CONFIGS, flops_per_token
+from qwen2_shapes import CONFIGS, MOE_TRAINING, flops_per_token, hf_model, is_moe, shape
 
 
 def main() -> None:
@@ -81,10 +97,16 @@ def main() -> None:
     p.add_argument("--peak", type=float, default=989e12, help="bf16 dense peak FLOP/s per GPU, for MFU")
     p.add_argument("--compile", action="store_true", help="torch.compile each decoder layer")
     p.add_argument("--liger", action="store_true", help="Liger kernels (fused CE, RMSNorm, RoPE, SwiGLU)")
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"),
+                   help="adamw (fused on CUDA), or plain SGD: no momentum or weight decay, no state")
+    p.add_argument("--layers", type=int, default=0, help="decoder layers (0: the shape's published count)")
+    p.add_argument("--experts", default=None, choices=("eager", "grouped_mm", "batched_mm"),
+                   help="MoE: transformers' experts implementation (default: transformers' own default)")
     a = p.parse_args()
+    if a.liger and is_moe(CONFIGS[a.model]):
+        p.error("--liger patches transformers' Qwen2 classes, not Qwen2-MoE's")
 
     import transformers
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     if a.liger:
         from liger_kernel.transformers import apply_liger_kernel_to_qwen2
@@ -96,11 +118,13 @@ def main() -> None:
     dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)
-    c = CONFIGS[a.model]
-    cfg = Qwen2Config(**c, **COMMON, attn_implementation="sdpa", use_cache=False)
+    c = shape(a.model, a.layers)
+    moe = is_moe(c)
+    extra = dict(MOE_TRAINING, experts_implementation=a.experts) if moe else {}
     torch.manual_seed(0)
     with torch.device(dev):
-        model = Qwen2ForCausalLM(cfg)  # fp32 weights
+        model = hf_model(c, attn_implementation="sdpa", use_cache=False, **extra)  # fp32 weights
+    experts = model.config._experts_implementation if moe else None
     if a.ac:
         model.gradient_checkpointing_enable()
     if a.compile:
@@ -119,17 +143,20 @@ def main() -> None:
             fully_shard(layer, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
         amp = torch.autocast("cuda" if cuda else "cpu", enabled=False)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+    if a.optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=cuda)
+    else:  # in place, no state and no transient copy (a weight decay would copy every gradient)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.0, foreach=True)
     g = torch.Generator(device=dev).manual_seed(rank)
 
-    def step() -> torch.Tensor:
+    def step():
         x = torch.randint(0, c["vocab_size"], (a.mbs, a.seq), device=dev, generator=g)
         with amp:
-            loss = model(input_ids=x, labels=x).loss
-        loss.backward()
+            out = model(input_ids=x, labels=x)  # a MoE's loss includes coef x out.aux_loss
+        out.loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return loss
+        return out.loss.detach(), out.aux_loss.detach() if moe else None
 
     for _ in range(a.warmup):
         step()
@@ -139,7 +166,7 @@ def main() -> None:
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(a.steps):
-        loss = step()
+        loss, aux = step()
     if cuda:
         torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / a.steps
@@ -147,11 +174,13 @@ def main() -> None:
     fpt = flops_per_token(c, a.seq)
     mem = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0
     if rank == 0:
+        moe_fields = dict(experts=experts, aux_loss=round(aux.item(), 4)) if moe else {}
         print("RESULT " + json.dumps(dict(
             peer="hf-transformers", model=a.model, mode=a.mode, ac=a.ac, compile=a.compile, liger=a.liger,
-            world=world, seq=a.seq, mbs=a.mbs, step_s=round(dt, 4), tok_s_gpu=round(tps),
+            optimizer=a.optimizer, layers=c["num_hidden_layers"], world=world, seq=a.seq, mbs=a.mbs,
+            step_s=round(dt, 4), tok_s_gpu=round(tps), flops_per_token=fpt,
             tflops_gpu=round(fpt * tps / 1e12, 1), mfu_pct=round(100 * fpt * tps / a.peak, 1),
-            peak_mem_gib=round(mem, 1), loss=round(loss.item(), 3), torch=torch.__version__,
+            peak_mem_gib=round(mem, 1), loss=round(loss.item(), 3), **moe_fields, torch=torch.__version__,
             transformers=transformers.__version__)), flush=True)
     dist.destroy_process_group()
 
