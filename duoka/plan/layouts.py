@@ -13,6 +13,7 @@ import math
 from dataclasses import replace
 
 from duoka.models.qwen2.args import ModelArgs
+from duoka.plan.context import context_degrees
 from duoka.plan.memory import Layout
 from duoka.plan.moe import expert_degrees, is_moe
 
@@ -37,19 +38,26 @@ def family(layout: Layout) -> str:
 
 
 def simplicity(layout: Layout) -> tuple:
-    """Sort key, simplest first: ddp > fsdp > hsdp > tp > pp, then a smaller ep (its
-    all-to-alls add to the critical path), then smaller degrees."""
+    """Sort key, simplest first: ddp > fsdp > hsdp > fsdp/hsdp with cp > tp > pp (cp's
+    per-layer all-gathers sit on the critical path, but its code is the data-parallel one,
+    without tp's or pp's), then a smaller ep (its all-to-alls add to the critical path) or cp,
+    then smaller degrees."""
     dp = {"ddp": 0, "fsdp": 1}[layout.dp_mode] + (1 if layout.dp_mode == "fsdp" and layout.dp_replicate > 1 else 0)
-    return (layout.pp > 1, layout.tp > 1, dp, layout.ep, layout.tp, layout.pp, layout.stages_per_rank)
+    return (layout.pp > 1, layout.tp > 1, layout.cp > 1, dp, layout.ep, layout.cp, layout.tp, layout.pp,
+            layout.stages_per_rank)
 
 
-def enumerate_layouts(args: ModelArgs, gpus: int, gpus_per_node: int) -> list[Layout]:
+def enumerate_layouts(args: ModelArgs, gpus: int, gpus_per_node: int, context_seq: int | None = None
+                      ) -> list[Layout]:
     """Every layout of `gpus` GPUs the trainer runs and the model's shape allows: tp from
     1/2/4/8 dividing the attention and KV heads, within one node; pp dividing the GPUs
     with at least one layer per stage (1F1B, and interleaved with 2 stages per rank);
     the remaining ranks data-parallel as ddp, fsdp, or hsdp (every replicas x shards
     split). A mixture-of-experts model: data parallelism only (the trainer refuses tp and
-    pp for it), each fsdp/hsdp layout with every ep dividing dp_shard and num_experts."""
+    pp for it), each fsdp/hsdp layout with every ep dividing dp_shard and num_experts.
+    context_seq (a sequence long enough for cp: duoka.plan.context.searches_context): each
+    fsdp/hsdp layout without tp and pp also with every cp of context_degrees (the trainer
+    refuses cp with tp, pp and ep)."""
     out = []
     moe = is_moe(args)
     for tp in TP_SIZES:
@@ -69,6 +77,8 @@ def enumerate_layouts(args: ModelArgs, gpus: int, gpus_per_node: int) -> list[La
                     fsdp = [Layout("fsdp", 1, d, tp, pp, sched, v)]
                     fsdp += [Layout("fsdp", r, d // r, tp, pp, sched, v) for r in _divisors(d) if 1 < r < d]
                     fsdp = [replace(x, ep=ep) for x in fsdp for ep in expert_degrees(args, x.dp_shard)]
+                    if context_seq and tp == pp == 1 and not moe:
+                        fsdp += [replace(x, cp=cp) for x in fsdp for cp in context_degrees(x.dp_shard, context_seq)]
                     # Keeping blocks gathered from forward to backward (ZeRO-2-like) saves the
                     # backward's all-gathers for the gathered weights' memory; under pp the
                     # trainer keeps stages gathered anyway.

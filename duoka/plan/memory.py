@@ -45,6 +45,11 @@ num_experts / ep experts per layer. A MoE layer saves its k routed copies of eac
 SwiGLU intermediates, the shared expert's and the router's probabilities; under ep one
 layer's dispatch buffers are in flight in its backward. Not yet measured on a GPU.
 
+Context parallelism (layout.cp, duoka.plan.context): a rank holds seq_len / cp tokens of each
+sequence, which every per-token term counts; FSDP2 still shards over all of dp_shard. Beyond
+them (the `context` part): the gathered keys and values each layer saves for SDPA's backward,
+the dense attention mask and SDPA's per-layer bias copy of it. Not yet measured on a GPU.
+
 Checked against 23 peaks measured on H200 (0.5B to 7B, one and two GPUs, DDP, FSDP2, tp
 and pp, with and without checkpointing and accumulation): all within 2%
 (bench/results/plan_memory.md; tests/unit/test_planner.py keeps them).
@@ -58,6 +63,7 @@ from dataclasses import asdict, dataclass, field
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import ModelArgs
 from duoka.models.qwen2.stages import stage_layer_counts
+from duoka.plan.context import NO_CONTEXT, ContextMemory, check_context, context_memory
 from duoka.plan.moe import (
     all_to_all_buffers,
     check_moe_layout,
@@ -102,7 +108,9 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 class Layout:
     """A parallel layout, with the same names and meaning as the [parallel] config section:
     world = dp_replicate x dp_shard x tp x pp; ep (expert parallelism, mixture-of-experts
-    models) splits dp_shard into dp_shard / ep groups of ep neighbours (duoka.plan.moe)."""
+    models) splits dp_shard into dp_shard / ep groups of ep neighbours (duoka.plan.moe); cp
+    (context parallelism) splits each sequence over cp neighbouring dp_shard ranks that share
+    one batch (duoka.plan.context)."""
 
     dp_mode: str = "ddp"
     dp_replicate: int = 1
@@ -113,6 +121,7 @@ class Layout:
     pp_stages_per_rank: int = 1
     reshard_after_forward: bool = True
     ep: int = 1
+    cp: int = 1
 
     def __post_init__(self):
         if self.dp_mode not in ("ddp", "fsdp"):
@@ -121,12 +130,24 @@ class Layout:
             raise DuokaError(f"dp_shard={self.dp_shard} needs dp_mode=fsdp (ddp does not shard)")
         if self.pp_schedule not in PP_SCHEDULES:
             raise DuokaError(f"pp_schedule={self.pp_schedule!r} is unknown", f"choose one of {', '.join(PP_SCHEDULES)}")
-        for name in ("dp_replicate", "dp_shard", "tp", "pp", "pp_stages_per_rank", "ep"):
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "pp_stages_per_rank", "ep", "cp"):
             if getattr(self, name) < 1:
                 raise DuokaError(f"{name}={getattr(self, name)} must be >= 1")
         if self.ep > 1 and (self.dp_mode != "fsdp" or self.dp_shard % self.ep):
             raise DuokaError(f"ep={self.ep} splits the experts over dp_shard ranks, but dp_mode={self.dp_mode} with "
                              f"dp_shard={self.dp_shard}", "use dp_mode=fsdp and an ep dividing dp_shard")
+        if self.cp > 1:
+            self._check_context()
+
+    def _check_context(self) -> None:
+        """cp as duoka.parallel.dims admits it: FSDP2 ranks of dp_shard, not with tp, pp or ep."""
+        if self.dp_mode != "fsdp" or self.dp_shard % self.cp:
+            raise DuokaError(f"cp={self.cp} splits each sequence over dp_shard ranks, but dp_mode={self.dp_mode} with "
+                             f"dp_shard={self.dp_shard}", "use dp_mode=fsdp and a cp dividing dp_shard")
+        others = [f"{name}={getattr(self, name)}" for name in ("tp", "pp", "ep") if getattr(self, name) > 1]
+        if others:
+            raise DuokaError(f"cp={self.cp} does not combine with {', '.join(others)} (the trainer refuses it)",
+                             "plan cp with fsdp or hsdp only, or cp=1")
 
     @property
     def world_size(self) -> int:
@@ -134,6 +155,12 @@ class Layout:
 
     @property
     def dp_size(self) -> int:
+        """Data-parallel ranks: ranks with batches of their own (a cp group shares one)."""
+        return self.dp_replicate * self.dp_shard // self.cp
+
+    @property
+    def fsdp_size(self) -> int:
+        """Ranks FSDP2 shards the parameters over and averages the gradients over, cp ranks included."""
         return self.dp_replicate * self.dp_shard
 
     @property
@@ -160,7 +187,8 @@ class Layout:
     def describe(self, compact: bool = False) -> str:
         """The layout in words: `fsdp 4 + pp 2 interleaved x2`. compact (for narrow tables): each
         part glued to its size and the parts joined by "+", in the style of `duoka bench --layout`:
-        `fsdp4+pp2 interleaved×2`; expert parallelism follows the data-parallel part: `fsdp 8 + ep 4`."""
+        `fsdp4+pp2 interleaved×2`; expert and context parallelism follow the data-parallel part:
+        `fsdp 8 + ep 4`, `fsdp 8 + cp 8`."""
         sp = "" if compact else " "
         parts = []
         if self.dp_mode == "fsdp" and self.dp_replicate > 1:
@@ -171,6 +199,8 @@ class Layout:
             parts.append(f"ddp{sp}{self.dp_replicate}")
         if self.ep > 1:
             parts.append(f"ep{sp}{self.ep}")
+        if self.cp > 1:
+            parts.append(f"cp{sp}{self.cp}")
         if self.tp > 1:
             parts.append(f"tp{sp}{self.tp}")
         if self.pp > 1:
@@ -199,7 +229,8 @@ def layout_from_config(parallel, world_size: int) -> Layout:
         rep = 1 if rep == -1 else rep
         shard = dp_world // rep if shard == -1 else shard
     layout = Layout(parallel.dp_mode, rep, shard, tp, pp, parallel.pp_schedule,
-                    parallel.pp_stages_per_rank if pp > 1 else 1, parallel.reshard_after_forward, parallel.ep)
+                    parallel.pp_stages_per_rank if pp > 1 else 1, parallel.reshard_after_forward, parallel.ep,
+                    parallel.cp)
     if layout.world_size != world_size:
         raise DuokaError(f"dp_replicate x dp_shard x tp x pp = {layout.world_size}, but {world_size} processes run")
     return layout
@@ -356,11 +387,12 @@ class MemoryBreakdown:
     phases: dict[str, float] = field(default_factory=dict)  # total at each moment, for this rank
     world_size: int = 1
     host: float = 0.0  # host memory of this rank: an offloaded optimizer's state and pinned copies (not in allocated)
+    context: float = 0.0  # cp: gathered keys/values beyond the rank's own, the mask and SDPA's biases (plan.context)
 
     @property
     def allocated(self) -> float:
         return (self.parameters + self.gradients + self.optimizer + self.gathered_parameters + self.activations
-                + self.logits + self.communication + self.optimizer_step)
+                + self.logits + self.communication + self.optimizer_step + self.context)
 
     @property
     def reserved(self) -> float:
@@ -390,10 +422,12 @@ def estimate_memory(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: 
     with gradient sync off (the trainer's no-sync accumulation, and the pipeline schedules')
     keeps them unsharded in fp32. pp_rank: the pipeline rank to estimate; None: the one
     with the largest peak. optimizer: optimizer.name / optimizer.offload (AdamW by default).
-    A mixture-of-experts model: its routed experts shard as duoka.plan.moe describes (layout.ep)."""
+    A mixture-of-experts model: its routed experts shard as duoka.plan.moe describes (layout.ep).
+    Under cp each rank holds seq_len / cp tokens of each sequence (duoka.plan.context)."""
     if micro_batch < 1 or seq_len < 1 or accumulation < 1:
         raise DuokaError("micro_batch, seq_len and accumulation must be >= 1")
     check_moe_layout(args, layout.dp_shard, layout.tp, layout.pp, layout.ep)
+    check_context(args, layout.cp, seq_len)
     regime = regime_of(layout, bf16)
     if pp_rank is not None:
         if not 0 <= pp_rank < layout.pp:
@@ -551,11 +585,14 @@ class _Activations:
     p2p: float  # pipeline receive buffers
     in_flight: int  # stage-forwards held at the peak
     all_to_all: float = 0.0  # a MoE layer's dispatch buffers in its backward, under ep > 1
+    context_held: float = 0.0  # cp: what every layer keeps until backward (ContextMemory.held)
+    context_backward: float = 0.0  # cp: that, the recomputed block's, and the gathered K/V's gradients
 
 
 def _activations(args: ModelArgs, layout: Layout, share: _RankShare, pp_rank: int, tokens: int, ac: bool,
-                 accumulation: int, regime: str) -> _Activations:
-    """Activations of `tokens` per micro-batch (saved_per_token's counts)."""
+                 accumulation: int, regime: str, context: ContextMemory = NO_CONTEXT) -> _Activations:
+    """Activations of `tokens` per micro-batch on this rank (saved_per_token's counts), and
+    under cp what the gathered attention adds (`context`)."""
     tp, pp, v = layout.tp, layout.pp, layout.stages_per_rank
     saved = saved_per_token(args, regime, tp, layout.ep)
     flight = in_flight(layout, pp_rank, accumulation)  # stage-forwards held
@@ -577,7 +614,11 @@ def _activations(args: ModelArgs, layout: Layout, share: _RankShare, pp_rank: in
     # gradient from the next, per stage the rank holds.
     p2p = 2 * 2 * args.dim * tokens * v if pp > 1 else 0.0
     all_to_all = all_to_all_buffers(args, tokens, layout.ep) if is_moe(args) else 0.0
-    return _Activations(held, final_norm, logits, recompute, transient, p2p, flight, all_to_all)
+    # A layer's backward holds its MLP's gradients, then its attention's: the larger counts.
+    context_held = context.held(share.layers, ac)
+    context_backward = context_held + context.recomputed(ac) + max(0.0, context.kv_grad - transient)
+    return _Activations(held, final_norm, logits, recompute, transient, p2p, flight, all_to_all, context_held,
+                        context_backward)
 
 
 def _moments(g: _GradientsAndWeights, a: _Activations, step_transient: float,
@@ -597,11 +638,12 @@ def _moments(g: _GradientsAndWeights, a: _Activations, step_transient: float,
         grads_first = g.grads_live
     moments["loss backward"] = {"gradients": grads_first, "gathered_parameters": g.gathered,
                                 "activations": a.held + a.final_norm, "logits": a.logits,
-                                "communication": g.buckets + a.p2p}
+                                "communication": g.buckets + a.p2p, "context": a.context_held}
     moments["block backward"] = {"gradients": grads_first + g.head_grads,
                                  "gathered_parameters": g.gathered + g.recompute_casts,
                                  "activations": a.held + a.recompute + a.transient, "logits": 0.0,
-                                 "communication": g.buckets + a.p2p + g.comm_block + a.all_to_all}
+                                 "communication": g.buckets + a.p2p + g.comm_block + a.all_to_all,
+                                 "context": a.context_backward}
     moments["end of backward"] = {"gradients": g.grads_end, "gathered_parameters": g.gathered_end,
                                   "activations": 0.0, "logits": 0.0, "communication": g.buckets + g.comm_end}
     # The step runs after the last reduction: every gradient, sharded, and DDP's buckets (kept
@@ -624,7 +666,10 @@ def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int
         grads = _fsdp_gradients(share, layout, accumulating, low)
     else:
         grads = _replicated_gradients(share, layout, ac, accumulating, regime)
-    acts = _activations(args, layout, share, pp_rank, micro_batch * seq_len, ac, accumulation, regime)
+    # Under cp the rank holds seq_len / cp tokens of each sequence, and the gathered attention's extras.
+    context = context_memory(args, micro_batch, seq_len, layout.cp, low)
+    acts = _activations(args, layout, share, pp_rank, micro_batch * seq_len // layout.cp, ac, accumulation, regime,
+                        context)
     moments = _moments(grads, acts, opt.step_transient, accumulation)
     persistent = parameters + opt.gpu_state
     totals = {name: persistent + sum(parts.values()) for name, parts in moments.items()}
@@ -641,16 +686,17 @@ def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int
 def training_bytes(args: ModelArgs, micro_batch: int, seq_len: int, dp_shard: int, activation_checkpointing: bool,
                    bf16: bool = True, *, tp: int = 1, pp: int = 1, dp_mode: str | None = None, dp_replicate: int = 1,
                    accumulation: int = 1, pp_schedule: str = "1f1b", pp_stages_per_rank: int | None = None,
-                   optimizer: OptimizerChoice = ADAMW, ep: int = 1) -> int:
+                   optimizer: OptimizerChoice = ADAMW, ep: int = 1, cp: int = 1) -> int:
     """Estimated peak allocated bytes per GPU (see estimate_memory). dp_mode defaults to
     fsdp when dp_shard > 1 and to ddp otherwise; pp_stages_per_rank to 2 for the
     interleaved schedules; optimizer to AdamW (optimizer_from_config(cfg.optimizer) gives
-    a run's); ep: parallel.ep of a mixture-of-experts model."""
+    a run's); ep: parallel.ep of a mixture-of-experts model; cp: parallel.cp (each rank
+    then holds seq_len / cp tokens of each of its micro_batch sequences)."""
     mode = dp_mode or ("fsdp" if dp_shard > 1 else "ddp")
     if pp_stages_per_rank is None:
         pp_stages_per_rank = 2 if pp_schedule in ("interleaved_1f1b", "zero_bubble") else 1
     layout = Layout(mode, dp_replicate, dp_shard if mode == "fsdp" else 1, tp, pp, pp_schedule,
-                    pp_stages_per_rank if pp > 1 else 1, ep=ep)
+                    pp_stages_per_rank if pp > 1 else 1, ep=ep, cp=cp)
     return int(estimate_memory(args, layout, micro_batch, seq_len, activation_checkpointing, accumulation,
                                bf16, optimizer=optimizer).allocated)
 

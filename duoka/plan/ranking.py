@@ -18,6 +18,10 @@ fewer with quantized AdamW state), and whether one sequence per GPU would fit th
 
 A mixture-of-experts model is planned with data parallelism and expert parallelism only
 (duoka.plan.moe: the trainer refuses tp and pp for it); the plan says what it counted.
+Sequences longer than duoka.plan.context.CONTEXT_MIN_SEQ are also planned with context
+parallelism (cp with fsdp/hsdp only, dense models only), which the ranking takes where the
+sequence does not fit without it or where it is faster; the plan says what the sequence
+needed without cp.
 
 duoka.plan.scaling tabulates the plan from one node to the whole job; duoka.plan.published
 sets it beside torchtitan's and Megatron-LM's published runs.
@@ -30,9 +34,10 @@ from dataclasses import replace
 
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import ModelArgs
+from duoka.plan.context import context_degrees, context_memory, kv_gathered_bytes, searches_context
 from duoka.plan.hardware import HOST_USABLE_FRACTION, Hardware, hardware_notes
 from duoka.plan.layouts import FAMILY_ORDER, enumerate_layouts, simplicity
-from duoka.plan.memory import GIB, GRAD_BYTES, WEIGHT_BYTES, Layout, estimate_memory, state_bytes
+from duoka.plan.memory import GIB, GRAD_BYTES, WEIGHT_BYTES, Layout, MemoryBreakdown, estimate_memory, state_bytes
 from duoka.plan.model_choice import ModelChoice
 from duoka.plan.moe import active_params, expert_split, is_moe
 from duoka.plan.optimizer_costs import ADAMW, OptimizerChoice
@@ -49,10 +54,22 @@ PROPOSAL_ORDER = (OptimizerChoice("adamw8bit"), OptimizerChoice("adamw4bit"), Op
 TIE = 0.03  # step times within 3% of the fastest count as a tie: the simplest layout wins
 MAX_GPUS_SEARCHED = 4096  # the largest job the "use at least N GPUs" search tries
 DEFAULT_SEQ = 2048
+DEFAULT_PER_GPU = 8  # sequences per GPU per step when --global-batch is not given
+# Sequences long enough for cp keep the default's tokens per GPU instead (8 x 2,048): 8
+# sequences of 131,072 per GPU would be 64 times the work of a step, and accumulating them
+# holds every gradient unsharded under FSDP2.
+DEFAULT_TOKENS_PER_GPU = DEFAULT_PER_GPU * DEFAULT_SEQ
 
 
 def _micro_batches(per_rank: int) -> list[int]:
     return [1 << k for k in range(per_rank.bit_length()) if per_rank % (1 << k) == 0]
+
+
+def plan_layouts(args: ModelArgs, hw: Hardware, seq_len: int) -> list[Layout]:
+    """The layouts a plan of this sequence chooses from: with cp when the sequence is long
+    enough (duoka.plan.context.searches_context)."""
+    context_seq = seq_len if searches_context(args, seq_len) else None
+    return enumerate_layouts(args, hw.gpus, hw.gpus_per_node, context_seq)
 
 
 def evaluate(args: ModelArgs, hw: Hardware, seq_len: int, global_batch: int,
@@ -62,9 +79,9 @@ def evaluate(args: ModelArgs, hw: Hardware, seq_len: int, global_batch: int,
     with its memory and step time; micro_batch / activation_checkpointing keep one value."""
     out = []
     acs = (False, True) if activation_checkpointing is None else (activation_checkpointing,)
-    for layout in layouts if layouts is not None else enumerate_layouts(args, hw.gpus, hw.gpus_per_node):
-        if global_batch % layout.dp_size:
-            continue
+    for layout in layouts if layouts is not None else plan_layouts(args, hw, seq_len):
+        if global_batch % layout.dp_size or (layout.cp > 1 and seq_len % (2 * layout.cp)):
+            continue  # cp cuts each sequence into 2 x cp equal chunks
         per_rank = global_batch // layout.dp_size
         if micro_batch is None:
             mbs = _micro_batches(per_rank)
@@ -124,8 +141,53 @@ def _without_ep(first: Candidate, ranked: list[Candidate], rejected: list[Candid
     return None
 
 
-def explain(ranked: list[Candidate], rejected: list[Candidate], hw: Hardware) -> str:
-    """One line: why the first layout is first."""
+# The parts of a breakdown that grow with the batch and the sequence, as the plan names them.
+_SEQUENCE_PARTS = {"logits": "logits + cross-entropy", "activations": "activations",
+                   "context": "cp's gathered keys/values, mask and bias", "gradients": "fp32 gradients"}
+
+
+def _sequence_text(mem: MemoryBreakdown, micro_batch: int, ac: bool, accumulation: int) -> str:
+    """`micro-batch 1, checkpointing; logits + cross-entropy 222.8, activations 28.0`: the point
+    estimated and its two largest parts that the batch and the sequence make, in GiB."""
+    parts = sorted(((getattr(mem, k), name) for k, name in _SEQUENCE_PARTS.items()), reverse=True)[:2]
+    point = f"micro-batch {micro_batch}" + (f" x {accumulation} accumulated" if accumulation > 1 else "")
+    return (f"{point}{', checkpointing' if ac else ''}; "
+            + ", ".join(f"{name} {gib_text(v)}" for v, name in parts if v))
+
+
+def _context_reasons(args: ModelArgs, seq_len: int, ranked: list[Candidate], rejected: list[Candidate],
+                     usable: float) -> list[str]:
+    """Why the first layout splits its sequences: the same layout without cp and with half its
+    cp, slower or too large. One the batch gave no candidate (fewer sequences than its
+    data-parallel ranks) is estimated at one sequence per data-parallel rank."""
+    first = ranked[0]
+    cp = first.layout.cp
+    if cp == 1:
+        return []
+    out = []
+    for smaller in (1, cp // 2) if cp > 2 else (1,):
+        lay = replace(first.layout, cp=smaller)
+        name = f"at seq {seq_len} without cp, {lay.describe()}" if smaller == 1 else lay.describe()
+        fit = next((c for c in ranked if c.layout == lay), None)
+        if fit is not None:
+            out.append(f"{name} is {_slower(fit.time.total_s / first.time.total_s)}")
+            continue
+        miss = next((c for c in rejected if c.layout == lay), None)
+        if miss is not None:
+            mem, point = miss.memory, (miss.micro_batch, miss.activation_checkpointing, miss.accumulation)
+        else:
+            mem, ac = min(((estimate_memory(args, lay, 1, seq_len, ac, optimizer=first.optimizer), ac)
+                           for ac in (True, False)), key=lambda m: m[0].reserved)
+            point = (1, ac, 1)
+        out.append(f"{name} needs {gib_text(mem.reserved)} GiB per GPU ({_sequence_text(mem, *point)}) > "
+                   f"{gib_text(usable)} usable")
+    return out
+
+
+def explain(ranked: list[Candidate], rejected: list[Candidate], hw: Hardware, context: list[str] | None = None
+            ) -> str:
+    """One line: why the first layout is first; `context`: why it splits its sequences
+    (_context_reasons)."""
     first = ranked[0]
     fastest = min(ranked, key=lambda c: c.time.total_s)
     usable = hw.usable_bytes
@@ -150,7 +212,7 @@ def explain(ranked: list[Candidate], rejected: list[Candidate], hw: Hardware) ->
             reasons.append(f"{c.layout.describe()} does not fit ({gib_text(c.memory.reserved)} GiB at micro-batch "
                            f"{c.micro_batch}{' with checkpointing' if c.activation_checkpointing else ''} > "
                            f"{gib_text(usable)} usable)")
-    reasons += [r for r in (_without_ep(first, ranked, rejected, usable),) if r]
+    reasons += [r for r in (_without_ep(first, ranked, rejected, usable),) if r] + (context or [])
     if first is fastest:
         lead = f"fastest of the {len(ranked)} layouts that fit"
         if len(ranked) > 1 and not any(r.startswith(ranked[1].layout.describe() + " ") for r in reasons):
@@ -174,7 +236,7 @@ def explain(ranked: list[Candidate], rejected: list[Candidate], hw: Hardware) ->
 def _sequence_and_batch(args: ModelArgs, hw: Hardware, seq_len: int | None, global_batch: int | None,
                         micro_batch: int | None) -> tuple[int, int, list[str]]:
     """(seq_len, global batch, notes on the defaults taken): the flags checked, the defaults
-    filled in (2048 or the model's context; 8 sequences per GPU)."""
+    filled in (2048 or the model's context; default_global_batch)."""
     notes = []
     if seq_len is None:
         seq_len = min(DEFAULT_SEQ, args.context_len)
@@ -184,15 +246,29 @@ def _sequence_and_batch(args: ModelArgs, hw: Hardware, seq_len: int | None, glob
         raise DuokaError(f"--seq {seq_len} must be >= 1")
     if seq_len > args.context_len:  # the trainer refuses it too
         raise DuokaError(f"--seq {seq_len} exceeds the model's {args.context_len} positions",
-                         f"use --seq {args.context_len} or less, or a config.json with YaRN rope_scaling")
+                         f"use --seq {args.context_len} or less, or --model FOLDER whose config.json scales the "
+                         "positions (rope_scaling yarn: Qwen's factor 4 over 32,768 reaches 131,072)")
     if global_batch is None:
-        global_batch = 8 * hw.gpus
-        notes.append(f"global batch {global_batch} (8 sequences per GPU; set --global-batch)")
+        global_batch, why = default_global_batch(args, hw, seq_len)
+        notes.append(f"global batch {global_batch} ({why}; set --global-batch)")
     if global_batch < 1:
         raise DuokaError(f"--global-batch {global_batch} must be >= 1")
     if micro_batch is not None and micro_batch < 1:
         raise DuokaError(f"--micro-batch {micro_batch} must be >= 1")
     return seq_len, global_batch, notes
+
+
+def default_global_batch(args: ModelArgs, hw: Hardware, seq_len: int) -> tuple[int, str]:
+    """(the global batch when --global-batch is not given, why): DEFAULT_PER_GPU sequences per
+    GPU; for a sequence long enough for cp, DEFAULT_TOKENS_PER_GPU tokens per GPU, rounded up
+    to whole sequences for each data-parallel rank of the layouts with the largest cp (of
+    every GPU without cp)."""
+    if not searches_context(args, seq_len):
+        return DEFAULT_PER_GPU * hw.gpus, f"{DEFAULT_PER_GPU} sequences per GPU"
+    unit = hw.gpus // max(context_degrees(hw.gpus, seq_len), default=1)
+    batch = unit * math.ceil(max(1, hw.gpus * DEFAULT_TOKENS_PER_GPU // seq_len) / unit)
+    return batch, (f"{batch * seq_len // hw.gpus:,} tokens per GPU: at sequences this long the default keeps about "
+                   f"the {DEFAULT_TOKENS_PER_GPU:,} tokens per GPU of {DEFAULT_PER_GPU} sequences of {DEFAULT_SEQ}")
 
 
 def _check_offload(optimizer: OptimizerChoice, hw: Hardware) -> None:
@@ -233,7 +309,7 @@ def make_plan(model: ModelChoice, hw: Hardware, seq_len: int | None = None, glob
     chosen = optimizer or ADAMW
     _check_offload(chosen, hw)
     notes += hardware_notes(hw)
-    layouts = enumerate_layouts(args, hw.gpus, hw.gpus_per_node)
+    layouts = plan_layouts(args, hw, seq_len)
     pinned = {"micro_batch": micro_batch, "activation_checkpointing": activation_checkpointing}
     candidates = evaluate(args, hw, seq_len, global_batch, layouts, chosen, **pinned)
     if not candidates:
@@ -254,12 +330,14 @@ def make_plan(model: ModelChoice, hw: Hardware, seq_len: int | None = None, glob
                                                                         if hw.gpus == 1 or not o.offloaded])
     rejected = _best_per_layout([c for c in candidates if not c.fits], key=lambda c: c.memory.reserved)
     rejected = [c for c in rejected if c.layout not in {r.layout for r in ranked}]
-    notes += _plan_notes(args, hw, ranked[0], chosen)
+    notes += _plan_notes(args, hw, ranked[0], chosen, seq_len)
+    why = explain(ranked, rejected, hw, _context_reasons(args, seq_len, ranked, rejected, hw.usable_bytes))
     return Plan(model, hw, seq_len, global_batch, ranked, sorted(rejected, key=lambda c: simplicity(c.layout)),
-                explain(ranked, rejected, hw), len(candidates), notes, chosen, proposal, alternatives)
+                why, len(candidates), notes, chosen, proposal, alternatives)
 
 
-def _plan_notes(args: ModelArgs, hw: Hardware, best: Candidate, optimizer: OptimizerChoice) -> list[str]:
+def _plan_notes(args: ModelArgs, hw: Hardware, best: Candidate, optimizer: OptimizerChoice, seq_len: int
+                ) -> list[str]:
     """What the plan's first choice holds that a reader may not expect, and the speed
     switches the ranking does not model."""
     notes = []
@@ -278,6 +356,8 @@ def _plan_notes(args: ModelArgs, hw: Hardware, best: Candidate, optimizer: Optim
                      "counts")
     if is_moe(args):
         notes.append(_moe_note(args, best))
+    if best.layout.cp > 1:
+        notes.append(_context_note(args, best, seq_len))
     # Switches the ranking does not model: measured on 2 x H200 (docs/performance.md).
     speed = ("training.compile (on by default on GPUs; false turns it off): 1.65x eager for 0.5B under DDP, faster "
              "in every DDP and FSDP2 case measured (not yet measured under tp or pp), and no more memory than "
@@ -285,11 +365,37 @@ def _plan_notes(args: ModelArgs, hw: Hardware, best: Candidate, optimizer: Optim
     if best.layout.ep > 1:
         speed = ("training.compile, which the trainer leaves off under expert parallelism (auto; its token dispatch "
                  "reads the all-to-all's sizes on the host): this layout runs eager, as estimated")
+    if best.layout.cp > 1:
+        speed = ("training.compile, which the trainer leaves off under context parallelism (auto; its gathered "
+                 "attention is checked eager only so far): this layout runs eager, as estimated")
     if args.num_params() >= 1e9 and not is_moe(args):  # the trainer refuses float8 for MoE models
         speed += ("; training.float8=tensorwise on GPUs of compute capability 8.9+: +14% (1.5B) to +30% (7B) "
                   "measured, not bit-equal to bf16 (compare the loss curve)")
     notes.append("speed switches this plan does not model: " + speed)
     return notes
+
+
+def _context_note(args: ModelArgs, best: Candidate, seq_len: int) -> str:
+    """What a plan with context parallelism counts and assumes (duoka.plan.context)."""
+    lay, t, ac = best.layout, best.time, best.activation_checkpointing
+    cp = lay.cp
+    ctx = context_memory(args, 1, seq_len, cp, 2)  # per sequence, bf16
+    kv = 2 * kv_gathered_bytes(args, 1, seq_len)
+    kept = "only the recomputed layer's, with checkpointing" if ac else f"all {args.n_layers} layers'"
+    fused = (f"; the logits buffers ({gib_text(best.memory.logits)} GiB at the peak) go with "
+             "training.fused_loss=true (head and loss chunk by chunk), which this estimate does not model"
+             if best.memory.logits else "")
+    return (f"context parallelism: cp {cp} cuts each sequence of {seq_len:,} tokens into {2 * cp} chunks, each GPU "
+            f"holding two ({seq_len // cp:,} tokens, chunks i and {2 * cp - 1}-i, which balances causal attention); "
+            f"every layer all-gathers the whole sequence's keys and values ({kv / 2**20:,.0f} MiB per sequence) and "
+            f"reduce-scatters their gradients: {t.context_parallel_s:.2f} s of the {t.total_s:.2f} s step, on the "
+            f"critical path; the attention mask is dense, {gib_text(ctx.mask)} GiB of booleans per sequence"
+            f"{' (kept by the checkpointed blocks until backward)' if ac else ''}, and SDPA turns it into a bf16 bias "
+            f"in every layer ({gib_text(ctx.bias)} GiB, saved for that layer's backward: {kept}); fp32 weights, "
+            f"gradients and optimizer state shard over all {lay.fsdp_size} FSDP ranks, cp ranks included{fused}; "
+            "assumes SDPA runs cuDNN's fused attention, the one kernel that takes a mask with grouped-query heads "
+            "(PyTorch's first choice on H100/H200 with cuDNN > 9.15): its math fallback would hold the scores, "
+            "hundreds of GiB per layer; the cp estimates are not yet checked against a GPU")
 
 
 def _moe_note(args: ModelArgs, best: Candidate) -> str:
@@ -354,23 +460,35 @@ def minimum_gpus(args: ModelArgs, hw: Hardware, seq_len: int, per_gpu_batch: int
         if n <= hw.gpus or n < floor:
             continue
         trial = replace(hw, gpus=n, nodes=max(1, n // node), detected=())
-        batch = n * per_gpu_batch
-        fitting = [c for c in evaluate(args, trial, seq_len, batch, optimizer=optimizer) if c.fits]
-        if fitting:
-            return n, batch, trial, rank(fitting)[0]
+        for batch in _smallest_batches(args, n, seq_len, per_gpu_batch):
+            fitting = [c for c in evaluate(args, trial, seq_len, batch, optimizer=optimizer) if c.fits]
+            if fitting:
+                return n, batch, trial, rank(fitting)[0]
     return None
 
 
-def _one_per_gpu(args: ModelArgs, hw: Hardware, seq_len: int, optimizers: list[OptimizerChoice]
-                 ) -> Candidate | None:
-    """The first layout that fits these GPUs at one sequence per GPU (no accumulation, which
-    under FSDP2 holds every gradient unsharded), with the first of `optimizers` that fits."""
-    for opt in optimizers:
-        if opt.offloaded and hw.gpus > 1:
-            continue
-        ranked = rank(evaluate(args, hw, seq_len, hw.gpus, optimizer=opt))
-        if ranked:
-            return ranked[0]
+def _smallest_batches(args: ModelArgs, gpus: int, seq_len: int, per_gpu_batch: int = 1) -> list[int]:
+    """The global batches that hold the least per GPU: per_gpu_batch sequences per GPU, and for
+    a sequence long enough for cp per_gpu_batch per cp group (a group shares its sequences),
+    from the smallest cp up."""
+    batches = [gpus * per_gpu_batch]
+    if searches_context(args, seq_len):
+        batches += [gpus * per_gpu_batch // cp for cp in context_degrees(gpus, seq_len)]
+    return batches
+
+
+def _one_per_gpu(args: ModelArgs, hw: Hardware, seq_len: int, optimizers: list[OptimizerChoice], below: int
+                 ) -> tuple[Candidate, int] | None:
+    """(the first layout, its global batch) that fits these GPUs at one sequence per GPU (no
+    accumulation, which under FSDP2 holds every gradient unsharded), or at one per cp group
+    (_smallest_batches), with the first of `optimizers` that fits; batches under `below` only."""
+    for batch in (b for b in _smallest_batches(args, hw.gpus, seq_len) if b < below):
+        for opt in optimizers:
+            if opt.offloaded and hw.gpus > 1:
+                continue
+            ranked = rank(evaluate(args, hw, seq_len, batch, optimizer=opt))
+            if ranked:
+                return ranked[0], batch
     return None
 
 
@@ -418,13 +536,15 @@ def _does_not_fit(model: ModelChoice, hw: Hardware, seq_len: int, candidates: li
         fixes.append(f"an optimizer with less state fits: {c.optimizer.describe()} ({c.describe(optimizer=False)}: "
                      f"{gib_text(c.memory.reserved)} GiB reserved per GPU; set {optimizer_keys(c.optimizer)}, or "
                      "leave --optimizer out to let the plan choose)")
-    if global_batch is not None and global_batch > hw.gpus:
-        small = _one_per_gpu(args, hw, seq_len, [optimizer] + (list(PROPOSAL_ORDER) if free_optimizer else []))
-        if small is not None:
-            opt_flag = "" if small.optimizer == ADAMW else f" --optimizer {small.optimizer.name}"
-            fixes.append(f"one sequence per GPU fits these GPUs: --global-batch {hw.gpus}{opt_flag} "
-                         f"({small.describe()}: {gib_text(small.memory.reserved)} GiB reserved per GPU; "
-                         "accumulating micro-batches under fsdp holds every gradient unsharded)")
+    found = _one_per_gpu(args, hw, seq_len, [optimizer] + (list(PROPOSAL_ORDER) if free_optimizer else []),
+                         global_batch) if global_batch is not None else None
+    if found is not None:
+        small, batch = found
+        opt_flag = "" if small.optimizer == ADAMW else f" --optimizer {small.optimizer.name}"
+        per = "GPU" if batch == hw.gpus else f"{hw.gpus // batch} GPUs (cp splits it)"
+        fixes.append(f"one sequence per {per} fits these GPUs: --global-batch {batch}{opt_flag} "
+                     f"({small.describe()}: {gib_text(small.memory.reserved)} GiB reserved per GPU; "
+                     "accumulating micro-batches under fsdp holds every gradient unsharded)")
     return DuokaError(cause, "; or ".join(fixes + _more_gpus(model, hw, seq_len, per_gpu_batch, optimizer,
                                                              free_optimizer)))
 

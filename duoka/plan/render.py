@@ -86,9 +86,10 @@ def render(plan: Plan, console, top: int = 10) -> None:
     labels = {"parameters": "fp32 weights", "gradients": "fp32 gradients", "optimizer": plan.optimizer.state_label(),
               "gathered_parameters": "bf16 weights (gathered / cast)", "activations": "activations",
               "logits": "logits + cross-entropy", "communication": "communication buffers",
-              "optimizer_step": "optimizer step's temporaries"}
+              "optimizer_step": "optimizer step's temporaries",
+              "context": "cp: gathered keys/values, attention mask and bias"}
     for key, value in best.memory.parts().items():
-        if key != "optimizer_step" or value:
+        if key not in ("optimizer_step", "context") or value:
             mem.add_row(labels[key], gib_text(value))
     mem.add_row("[bold]peak allocated[/] (torch max_memory_allocated)", f"[bold]{gib_text(best.memory.allocated)}[/]")
     mem.add_row("reserved (+ fragmentation, CUDA context, NCCL)", gib_text(best.memory.reserved))

@@ -49,7 +49,7 @@ class Candidate:
              "parallel": {"dp_mode": lay.dp_mode, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
                           "tp": lay.tp, "pp": lay.pp, "pp_schedule": lay.pp_schedule,
                           "pp_stages_per_rank": lay.stages_per_rank,
-                          "reshard_after_forward": lay.reshard_after_forward, "ep": lay.ep},
+                          "reshard_after_forward": lay.reshard_after_forward, "ep": lay.ep, "cp": lay.cp},
              "micro_batch": self.micro_batch, "accumulation": self.accumulation,
              "activation_checkpointing": self.activation_checkpointing, "optimizer": self.optimizer.config(),
              "fits": self.fits, "peak_allocated_gib": round(self.memory.allocated / GIB, 2),
@@ -150,6 +150,8 @@ def plan_toml(plan: Plan) -> str:
         par["reshard_after_forward"] = False
     if lay.ep > 1:
         par["ep"] = lay.ep
+    if lay.cp > 1:
+        par["cp"] = lay.cp
     if lay.pp > 1:
         par.update(pp_schedule=lay.pp_schedule, pp_stages_per_rank=lay.stages_per_rank, pp_layers="even",
                    pp_microbatches=c.accumulation)

@@ -22,12 +22,11 @@ from duoka.plan.memory import GIB
 from duoka.plan.model_choice import ModelChoice
 from duoka.plan.moe import active_params, is_moe
 from duoka.plan.optimizer_costs import ADAMW, OptimizerChoice
-from duoka.plan.ranking import DEFAULT_SEQ, evaluate, rank
+from duoka.plan.ranking import DEFAULT_SEQ, default_global_batch, evaluate, rank
 from duoka.plan.result import Candidate
 
 DEFAULT_SCALING_GPUS = 1024  # the table's last row when --gpus is not given
 DEFAULT_GPUS_PER_NODE = 8  # an HGX/DGX server, when --nodes does not say otherwise
-DEFAULT_BATCH_PER_GPU = 8  # sequences per GPU per step, as `duoka plan` assumes
 FAMILIES = FAMILY_ORDER[1:]  # "single" is one GPU, no row of a scaling table
 
 
@@ -139,9 +138,9 @@ def plan_scaling(model: ModelChoice, hw: Hardware, seq_len: int | None = None, g
                  mode: str = "weak", family: str | None = None, counts: list[int] | None = None,
                  optimizer: OptimizerChoice = ADAMW) -> Scaling:
     """Rows from one node of `hw` to all of it. `global_batch` is the batch of the largest
-    row (weak scaling divides it per GPU for the others; default DEFAULT_BATCH_PER_GPU
-    sequences per GPU); under strong scaling every row trains that batch. Every row trains
-    with `optimizer` (AdamW by default; an offloaded one runs on one GPU only)."""
+    row (weak scaling divides it per GPU for the others; default duoka plan's,
+    ranking.default_global_batch); under strong scaling every row trains that batch. Every
+    row trains with `optimizer` (AdamW by default; an offloaded one runs on one GPU only)."""
     if mode not in ("weak", "strong"):
         raise DuokaError(f"--scaling {mode} is unknown", "use --scaling weak (batch per GPU fixed) or --scaling strong "
                                                          "(global batch fixed)")
@@ -154,11 +153,13 @@ def plan_scaling(model: ModelChoice, hw: Hardware, seq_len: int | None = None, g
     seq_len = seq_len or min(DEFAULT_SEQ, args.context_len)
     if seq_len > args.context_len:
         raise DuokaError(f"--seq {seq_len} exceeds the model's {args.context_len} positions",
-                         f"use --seq {args.context_len} or less, or a config.json with YaRN rope_scaling")
+                         f"use --seq {args.context_len} or less, or --model FOLDER whose config.json scales the "
+                         "positions (rope_scaling yarn: Qwen's factor 4 over 32,768 reaches 131,072)")
     if global_batch is not None and global_batch < 1:
         raise DuokaError(f"--global-batch {global_batch} must be >= 1")
     largest, gpn = hw.gpus, hw.gpus_per_node
-    batch = global_batch or DEFAULT_BATCH_PER_GPU * largest
+    # duoka plan's default: 8 sequences per GPU, or their tokens for sequences long enough for cp
+    batch = global_batch or default_global_batch(args, hw, seq_len)[0]
     per_gpu = batch / largest
     notes = []
     if mode == "weak":

@@ -43,7 +43,12 @@ absolute figure assumes a well-fed GPU and is no benchmark):
   all-gather and reduce-scatter carry num_experts / ep experts over the dp_shard / ep ranks
   holding them. The experts' grouped GEMMs are costed at the dense matmuls' efficiency, and
   routing is taken as balanced (the slowest expert rank waits for no one): neither is
-  measured yet.
+  measured yet;
+- context parallelism (duoka.plan.context): a rank computes seq / cp tokens of each sequence,
+  each attending over the whole sequence (the chunk layout balances causal attention), so
+  its compute is 1 / cp of a sequence's; per layer and micro-batch, 4 all-gathers or
+  reduce-scatters of the whole sequence's keys or values over the cp neighbours (6 under
+  checkpointing), on the critical path. FSDP2 shards over all of dp_shard as without cp.
 Ignored: kernel contention between NCCL and compute, CPU launch overhead of tiny models,
 data loading, stragglers and failures (which grow with the job: see
 duoka.plan.hardware.CHECKED_GPUS). GEMM_EFFICIENCY, TP_BLOCK_OVERHEAD_S and FSDP_UNIT_S are
@@ -56,6 +61,7 @@ import math
 from dataclasses import dataclass
 
 from duoka.models.qwen2.args import ModelArgs
+from duoka.plan.context import check_context, context_traffic_s
 from duoka.plan.hardware import Hardware
 from duoka.plan.layouts import crosses_nodes, mesh_strides
 from duoka.plan.memory import Layout, auto_blocks_per_unit, block_params, stage_layer_counts
@@ -92,12 +98,13 @@ class StepTime:
     dp_latency_s: float = 0.0  # the latency part of data_parallel_s (collective launches, ring steps)
     dp_across_nodes: bool = False  # some dp group spans nodes (its bandwidth is the network's)
     expert_parallel_s: float = 0.0  # a MoE model's token all-to-alls under ep (on the critical path)
+    context_parallel_s: float = 0.0  # cp's key/value all-gathers and reduce-scatters (on the critical path)
 
     def overheads(self) -> dict[str, float]:
         """Seconds of the step beyond the matmuls, by cause (what limits scaling)."""
         return {"dp comm": self.exposed_dp_s, "tp": self.tensor_parallel_s, "pp bubble": self.bubble_s,
                 "pp sends": self.pipeline_p2p_s, "fsdp hooks": self.fsdp_overhead_s, "optimizer": self.optimizer_s,
-                "ep all-to-all": self.expert_parallel_s}
+                "ep all-to-all": self.expert_parallel_s, "cp all-gather": self.context_parallel_s}
 
     def limit(self) -> tuple[str, float]:
         """(the largest overhead, named so a reader knows what to change; its share of the step).
@@ -162,18 +169,20 @@ class _MicroBatch:
     rank_layers: int  # decoder layers this rank runs per micro-batch (for per-layer costs)
     units: int  # FSDP units of those layers, the root (embedding, final norm, head) included
     ep_s: float = 0.0  # a MoE model's token all-to-alls
+    cp_s: float = 0.0  # cp's key/value all-gathers and reduce-scatters
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.tp_s + self.fsdp_s + self.ep_s
+        return self.compute_s + self.tp_s + self.fsdp_s + self.ep_s + self.cp_s
 
 
 def _micro_batch(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, ac: bool, busiest: float,
                  hw: Hardware) -> _MicroBatch:
-    """The busiest rank's time for one micro-batch, `busiest` its training FLOPs per token."""
+    """The busiest rank's time for one micro-batch, `busiest` its training FLOPs per token
+    (under cp, of its seq_len / cp tokens of each sequence)."""
     tp, pp, v = layout.tp, layout.pp, layout.stages_per_rank
     kern, fab = hw.kernels, hw.fabric
-    tokens_mb = micro_batch * seq_len
+    tokens_mb = micro_batch * seq_len // layout.cp
     elements = tokens_mb * args.dim / tp
     efficiency = kern.gemm_efficiency * elements / (elements + HALF_SPEED_ELEMENTS)
     compute_mb = tokens_mb * busiest / tp / (hw.peak_flops * efficiency)
@@ -195,7 +204,10 @@ def _micro_batch(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int
     if layout.ep > 1:  # each MoE layer's experts are an FSDP2 unit of their own (on the expert mesh)
         units += len(args.moe_layers)
     fsdp_mb = kern.fsdp_unit_s * passes * units if layout.fsdp else 0.0
-    return _MicroBatch(compute_mb, tp_mb, fsdp_mb, rank_layers, units, _all_to_all_mb(args, layout, tokens_mb, ac, hw))
+    # cp groups are neighbouring dp_shard ranks (duoka.parallel.dims.context_mesh)
+    cp_mb = context_traffic_s(args, layout.cp, micro_batch, seq_len, ac, fab, mesh_strides(layout)["dp_shard"])
+    return _MicroBatch(compute_mb, tp_mb, fsdp_mb, rank_layers, units, _all_to_all_mb(args, layout, tokens_mb, ac, hw),
+                       cp_mb)
 
 
 def _all_to_all_mb(args: ModelArgs, layout: Layout, tokens_mb: int, ac: bool, hw: Hardware) -> float:
@@ -341,6 +353,7 @@ def estimate_step_time(args: ModelArgs, layout: Layout, micro_batch: int, seq_le
                        ac: bool, hw: Hardware, optimizer: OptimizerChoice = ADAMW) -> StepTime:
     """Seconds per optimizer step on one GPU, by the cost model in the module docstring."""
     check_moe_layout(args, layout.dp_shard, layout.tp, layout.pp, layout.ep)
+    check_context(args, layout.cp, seq_len)
     pp, v = layout.pp, layout.stages_per_rank
     per_rank = global_batch // layout.dp_size
     m = per_rank // micro_batch  # micro-batches per step (the pipeline's under pp)
@@ -364,7 +377,7 @@ def estimate_step_time(args: ModelArgs, layout: Layout, micro_batch: int, seq_le
     tokens = global_batch * seq_len
     mfu = (model_flops * tokens / total) / (hw.gpus * hw.peak_flops)
     return StepTime(compute_s=mb.compute_s * (m + (pp - 1) / v), tensor_parallel_s=mb.tp_s * m,
-                    expert_parallel_s=mb.ep_s * m,
+                    expert_parallel_s=mb.ep_s * m, context_parallel_s=mb.cp_s * m,
                     fsdp_overhead_s=mb.fsdp_s * m, data_parallel_s=dp_s, exposed_dp_s=exposed,
                     pipeline_bubble=bubble, pipeline_p2p_s=p2p, optimizer_s=optimizer_s, total_s=total,
                     tokens_per_s_per_gpu=tokens / total / hw.gpus, mfu=mfu,
