@@ -1,7 +1,9 @@
-"""From an OpenAI request body to what the engine runs: the prompt's token ids (through the
-chat template, with the request's tools), the SamplingParams of each of its n choices, the
-adapter its `model` names, and its structured-output grammar. Every refusal is an ApiError
-(a 400 naming the parameter). The responses are serve/api_responses.py; the routes serve/api.py.
+"""From an OpenAI request body to what the engine runs: each prompt's token ids (through the
+chat template, with the request's tools; a completions request may carry a list of prompts),
+the SamplingParams of each prompt's n choices, the adapter its `model` names, its
+structured-output grammar, and what the response shows (echo, prompt logprobs, tokens as
+ids). Every refusal is an ApiError (a 400 naming the parameter). The responses are
+serve/api_responses.py; the routes serve/api.py.
 """
 
 from __future__ import annotations
@@ -35,19 +37,39 @@ def duoka_message(e: DuokaError) -> str:
 
 
 @dataclass(frozen=True)
-class Prepared:
-    """One request, ready for the engine: choice i runs with choices[i] (n > 1: seeds differ)."""
-    request_id: str
+class PreparedPrompt:
+    """One prompt of a request: choice i runs with choices[i] (n > 1: seeds differ). Only
+    choice 0 computes the prompt logprobs; the other choices show its (they share the prompt)."""
     prompt_ids: list[int]
     choices: tuple[SamplingParams, ...]
+    echo_text: str | None = None
+    """With echo: the text each choice's text starts with (the prompt as sent, or its ids decoded)."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One request, ready for the engine: its prompts in order, each with its n choices; the
+    response's choice index is prompt index * n + choice (OpenAI's order)."""
+    request_id: str
+    prompts: tuple[PreparedPrompt, ...]
     lora: str | None = None
     """The adapter the request's model names; None: the base model."""
     parse_tools: bool = False
     """The output is read for Hermes tool calls (tools given and tool_choice is not "none")."""
+    echo: bool = False
+    """Completions: each choice's text, and its logprobs, start with its prompt's."""
+    show_prompt_logprobs: bool = False
+    """The response carries vLLM's prompt_logprobs (per choice for completions, once for chat)."""
+    tokens_as_ids: bool = False
+    """vLLM's return_tokens_as_token_ids: logprobs name tokens "token_id:N", not by their text."""
 
     @property
     def params(self) -> SamplingParams:
-        return self.choices[0]
+        return self.prompts[0].choices[0]
+
+    @property
+    def n(self) -> int:
+        return len(self.prompts[0].choices)
 
 
 @dataclass(frozen=True)
@@ -96,28 +118,47 @@ class RequestPreparer:
         structured = await self._structured(body, schema)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
-        return self._prepare("chatcmpl", list(prompt_ids), body, max_tokens, logprobs, "messages", lora,
-                             structured, parse_tools=tools is not None)
+        prompt = PreparedPrompt(list(prompt_ids), self._choices(len(prompt_ids), body, max_tokens, logprobs,
+                                                                 body.prompt_logprobs, "messages", structured))
+        return Prepared(f"chatcmpl-{uuid.uuid4().hex}", (prompt,), lora, parse_tools=tools is not None,
+                        show_prompt_logprobs=body.prompt_logprobs is not None,
+                        tokens_as_ids=body.return_tokens_as_token_ids)
 
     async def prepare_completion(self, body: CompletionRequest) -> Prepared:
         lora = self.models.lora_for(body.model)
         refuse_unsupported(body)
-        prompt = body.prompt
-        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-            if len(prompt) != 1:
-                raise ApiError(400, f"prompt is a batch of {len(prompt)} prompts; batched prompts are not supported "
-                                    "yet: send one request per prompt", param="prompt")
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            prompt_ids = await self._encode(prompt, "prompt")
-        else:
-            prompt_ids = list(prompt)
-            bad = [t for t in prompt_ids if t < 0]
-            if bad:
-                raise ApiError(400, f"prompt token id {bad[0]} is negative", param="prompt")
+        if body.max_tokens == 0 and not body.echo:
+            raise ApiError(400, "max_tokens=0 generates nothing, so without echo the answer would be empty: it is for "
+                                "scoring a prompt (echo=true with logprobs=k answers the prompt's tokens and their "
+                                "logprobs); fix: set echo=true, or ask for at least 1 token", param="max_tokens")
+        # vLLM's rule: echo with logprobs=k asks for the prompt's logprobs with k alternatives.
+        prompt_logprobs = body.prompt_logprobs
+        if prompt_logprobs is None and body.echo:
+            prompt_logprobs = body.logprobs
         structured = await self._structured(body, None)
-        return self._prepare("cmpl", list(prompt_ids), body, body.max_tokens, body.logprobs, "prompt", lora,
-                             structured)
+        given = _prompt_list(body.prompt)
+        prompts = []
+        for j, prompt in enumerate(given):
+            param = "prompt" if len(given) == 1 else f"prompt.{j}"
+            ids = await self._prompt_ids(prompt, param, body.max_tokens == 0)
+            echo = None
+            if body.echo:  # the prompt as sent, or its ids as text
+                echo = prompt if isinstance(prompt, str) else await asyncio.to_thread(self.tokenizer.decode, ids)
+            choices = self._choices(len(ids), body, body.max_tokens, body.logprobs, prompt_logprobs, param, structured)
+            prompts.append(PreparedPrompt(ids, choices, echo))
+        return Prepared(f"cmpl-{uuid.uuid4().hex}", tuple(prompts), lora, echo=body.echo,
+                        show_prompt_logprobs=body.prompt_logprobs is not None,
+                        tokens_as_ids=body.return_tokens_as_token_ids)
+
+    async def _prompt_ids(self, prompt: str | list[int], param: str, scoring: bool) -> list[int]:
+        """One prompt's token ids: a string tokenized, ids checked. A prompt that generates
+        nothing (scoring) may fill the whole context."""
+        if isinstance(prompt, str):
+            return await self._encode(prompt, param, limit=self.max_model_len - (0 if scoring else 1))
+        bad = [t for t in prompt if t < 0]
+        if bad:
+            raise ApiError(400, f"{param} token id {bad[0]} is negative", param=param)
+        return list(prompt)
 
     async def _structured(self, body: CommonRequest, tool_schema: dict | None) -> StructuredOutput | None:
         """The grammar the output must follow: response_format's, or a forced tool call's."""
@@ -143,10 +184,12 @@ class RequestPreparer:
             raise ApiError(400, duoka_message(e), param="tool_choice" if tool_schema else "response_format") from None
         return spec
 
-    async def _encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+    async def _encode(self, text: str, param: str, add_special_tokens: bool = True,
+                      limit: int | None = None) -> list[int]:
         """The prompt's ids, tokenized on a worker thread (tokenizers releases the GIL for long
-        text: the event loop keeps serving), and refused from a prefix when it is far too long."""
-        limit = self.max_model_len - 1
+        text: the event loop keeps serving), and refused from a prefix when it holds more than
+        limit tokens (default: the context less one token of output)."""
+        limit = self.max_model_len - 1 if limit is None else limit
         ids = await asyncio.to_thread(self.tokenizer.encode_at_most, text, limit, add_special_tokens)
         if ids is None:
             raise ApiError(400, f"the prompt ({len(text):,} characters) holds more than {limit} tokens, the most this "
@@ -159,10 +202,11 @@ class RequestPreparer:
         limit = self.max_model_len
         if n == 0:
             raise ApiError(400, "the prompt is empty (0 tokens); give at least one token", param=prompt_param)
-        if n >= limit:
+        if n > limit or (n == limit and max_tokens != 0):  # max_tokens 0 (scoring) needs no room for output
+            most = limit if max_tokens == 0 else limit - 1
             raise ApiError(400, f"the prompt has {n} tokens, but this model's maximum context length is {limit} "
                                 "tokens, which leaves no room for output; fix: shorten the prompt to at most "
-                                f"{limit - 1} tokens", param=prompt_param, code="context_length_exceeded")
+                                f"{most} tokens", param=prompt_param, code="context_length_exceeded")
         if max_tokens is not None and n + max_tokens > limit:
             raise ApiError(400, f"this model's maximum context length is {limit} tokens, but the request asks for "
                                 f"{n + max_tokens}: {n} in the prompt and {max_tokens} in max_tokens; fix: lower "
@@ -172,12 +216,13 @@ class RequestPreparer:
             max_tokens = min(limit - n, self.default_params.get("max_tokens", limit))
         return max_tokens
 
-    def _prepare(self, prefix: str, prompt_ids: list[int], body: CommonRequest, max_tokens: int | None,
-                 logprobs: int | None, prompt_param: str, lora: str | None, structured: StructuredOutput | None,
-                 parse_tools: bool = False) -> Prepared:
-        max_tokens = self._check_length(len(prompt_ids), max_tokens, prompt_param)
+    def _choices(self, num_prompt_tokens: int, body: CommonRequest, max_tokens: int | None, logprobs: int | None,
+                 prompt_logprobs: int | None, prompt_param: str,
+                 structured: StructuredOutput | None) -> tuple[SamplingParams, ...]:
+        """The SamplingParams of one prompt's n choices."""
+        max_tokens = self._check_length(num_prompt_tokens, max_tokens, prompt_param)
         fields = {**self.default_params, "max_tokens": max_tokens, "ignore_eos": body.ignore_eos, "logprobs": logprobs,
-                  "structured": structured}
+                  "structured": structured, "prompt_logprobs": prompt_logprobs}
         for name in _SAMPLING_FIELDS:
             value = getattr(body, name)
             if value is not None:
@@ -192,12 +237,22 @@ class RequestPreparer:
             params = SamplingParams(**fields)
             # n choices: the same request n times, each with its own draw. A given seed gives
             # choice i the seed + i (vLLM's rule), so the same seed gives the same n texts.
-            choices = tuple(params if i == 0 or params.seed is None else
-                            replace(params, seed=_wrap_seed(params.seed + i)) for i in range(body.n))
+            # Choice 0 alone computes the prompt logprobs; the others reuse its cached prompt.
+            return tuple(params if i == 0 else
+                         replace(params, prompt_logprobs=None,
+                                 seed=params.seed if params.seed is None else _wrap_seed(params.seed + i))
+                         for i in range(body.n))
         except DuokaError as e:  # SamplingParams names the field first: it is the parameter
             param = next((name for name in sorted(fields, key=len, reverse=True) if e.cause.startswith(name)), None)
             raise ApiError(400, duoka_message(e), param=param) from None
-        return Prepared(f"{prefix}-{uuid.uuid4().hex}", prompt_ids, choices, lora, parse_tools)
+
+
+def _prompt_list(prompt: str | list) -> list[str | list[int]]:
+    """OpenAI's prompt forms as a list of prompts: a string or token ids is one; a list of
+    strings or of token-id lists is one each, in order."""
+    if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
 
 
 def _wrap_seed(seed: int) -> int:

@@ -1,6 +1,8 @@
 """From the engine's outputs to OpenAI's responses: chat.completion / text_completion objects
-and their SSE streams, with n choices, logprobs in OpenAI's two formats, and Hermes tool calls
-read out of the text (serve.tool_calls). The request side is serve/api_requests.py.
+and their SSE streams, with n choices per prompt (and a completions request's list of
+prompts: choice index = prompt index * n + choice), logprobs (serve.api_logprobs), echo and
+prompt logprobs, and Hermes tool calls read out of the text (serve.tool_calls). The request
+side is serve/api_requests.py.
 
 As vLLM serves them (vllm/entrypoints/openai), so that the `openai` client and `vllm bench
 serve` work unmodified:
@@ -11,7 +13,10 @@ serve` work unmodified:
   first token), its last content chunk carries finish_reason, then with
   stream_options.include_usage a chunk with `choices: []` and the usage, then `data: [DONE]`;
 - a choice whose text holds well-formed tool calls ends with finish_reason "tool_calls";
-  malformed ones stay plain content.
+  malformed ones stay plain content;
+- echo (completions): a choice's text, and its logprobs, start with its prompt's; streamed,
+  in its first event. A prompt's logprobs are computed by its choice 0 only and shown in
+  each of its choices (the others come later: they wait for choice 0's prompt).
 """
 
 from __future__ import annotations
@@ -28,10 +33,20 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from duoka.errors import DuokaError
-from duoka.serve.api_requests import Prepared, duoka_message
+from duoka.serve.api_logprobs import (
+    TokenName,
+    Tokens,
+    chat_logprobs,
+    completion_logprobs,
+    echoed,
+    generated,
+    token_id_name,
+    vllm_prompt_logprobs,
+)
+from duoka.serve.api_requests import Prepared, PreparedPrompt, duoka_message
 from duoka.serve.async_engine import AsyncEngine, EngineError, RequestStream, ServerBusy
-from duoka.serve.params import RequestOutput
-from duoka.serve.protocol import ApiError, CommonRequest, error_body, finite, usage_body
+from duoka.serve.params import RequestOutput, TokenLogprob
+from duoka.serve.protocol import ApiError, CommonRequest, error_body, usage_body
 from duoka.serve.tool_calls import ToolCallStream, parse_tool_calls
 
 
@@ -48,6 +63,23 @@ def busy_error(e: ServerBusy) -> ApiError:
 Render = Callable[[RequestOutput, bool], list[str]]
 
 
+class PromptShown:
+    """One prompt as its choices show it: the echoed text, and the prompt logprobs that its
+    choice 0 computed (their first output carries them; the other choices' outputs come after)."""
+
+    def __init__(self, prompt: PreparedPrompt):
+        self.ids = prompt.prompt_ids
+        self.text = prompt.echo_text or ""
+        self.logprobs: list[TokenLogprob | None] | None = None
+
+    def seen(self, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.logprobs = out.prompt_logprobs
+
+    def tokens(self) -> Tokens:
+        return echoed(self.ids, self.logprobs)
+
+
 class Responder:
     def __init__(self, engine: AsyncEngine, tokenizer, model_name: str):
         self.engine = engine
@@ -55,39 +87,54 @@ class Responder:
         self.token_text = lru_cache(maxsize=65536)(lambda i: tokenizer.decode([i]))
 
     async def _start(self, prepared: Prepared) -> list[RequestStream]:
-        """The request's choices in the engine: choice i as its own request, the later ones
-        told to wait for the first one's prompt and reuse its cache blocks."""
-        n = len(prepared.choices)
-        ids = [prepared.request_id] if n == 1 else [f"{prepared.request_id}-{i}" for i in range(n)]
-        streams: list[RequestStream] = []
-        try:
-            for i, params in enumerate(prepared.choices):
-                streams.append(await self.engine.generate(ids[i], prepared.prompt_ids, params, lora=prepared.lora,
-                                                          after=ids[0] if i else None))
-        except (DuokaError, ServerBusy) as e:
-            for stream in streams:
+        """The request's choices in the engine, all queued at once (in order: the inbox keeps
+        it), each as its own request; a prompt's later choices are told to wait for its first
+        one's prompt and reuse its cache blocks."""
+        n = prepared.n
+        total = n * len(prepared.prompts)
+        ids = [prepared.request_id] if total == 1 else [f"{prepared.request_id}-{i}" for i in range(total)]
+        starts = [self.engine.generate(ids[j * n + i], prompt.prompt_ids, params, lora=prepared.lora,
+                                       after=ids[j * n] if i else None)
+                  for j, prompt in enumerate(prepared.prompts) for i, params in enumerate(prompt.choices)]
+        started = await asyncio.gather(*starts, return_exceptions=True)
+        failure = next((e for e in started if isinstance(e, BaseException)), None)
+        if failure is None:
+            return started
+        for stream in started:
+            if isinstance(stream, RequestStream):
                 stream.abort()
-            if isinstance(e, ServerBusy):
-                raise busy_error(e) from None
-            raise ApiError(400, duoka_message(e)) from None
-        return streams
+        if isinstance(failure, ServerBusy):
+            raise busy_error(failure) from None
+        if isinstance(failure, DuokaError):
+            raise ApiError(400, duoka_message(failure)) from None
+        raise failure
+
+    def _name(self, prepared: Prepared) -> TokenName:
+        return token_id_name if prepared.tokens_as_ids else self.token_text
 
     async def respond(self, request: Request, prepared: Prepared, body: CommonRequest, chat: bool):
         streams = await self._start(prepared)
         created = int(time.time())
         want_logprobs = prepared.params.logprobs is not None
         kind = "chat.completion" if chat else "text_completion"
+        name = self._name(prepared)
+        shown = [PromptShown(prompt) for prompt in prepared.prompts]
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             base = {"id": prepared.request_id, "object": f"{kind}.chunk" if chat else kind, "created": created,
                     "model": body.model or self.model_name}
             if include_usage:
                 base["usage"] = None  # OpenAI: every chunk has usage null but the last one
-            make = self._chat_render if chat else self._completion_render
-            renders = [make(base, i, want_logprobs, prepared.parse_tools) for i in range(len(streams))]
+            if chat:
+                renders = [self._chat_render(base, i, want_logprobs, prepared.parse_tools, name)
+                           for i in range(len(streams))]
+            else:
+                renders = [self._completion_render(base, i, want_logprobs, name,
+                                                   shown[i // prepared.n] if prepared.echo else None)
+                           for i in range(len(streams))]
             # The background abort covers a client that left before the first event: Starlette
             # then never starts the generator, so its own `finally` would not run.
-            return StreamingResponse(self._events(streams, base, include_usage, renders),
+            return StreamingResponse(self._events(streams, base, include_usage, renders, prepared.n),
                                      media_type="text/event-stream",
                                      background=BackgroundTask(_abort_all, streams),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -97,31 +144,48 @@ class Responder:
         failure = next((c for c in collected if isinstance(c, Exception)), None)
         if failure is not None:
             return _failure_response(failure)
-        choices = [self._choice(i, text, outputs, chat, want_logprobs, prepared.parse_tools)
-                   for i, (text, outputs) in enumerate(collected)]
-        return {"id": prepared.request_id, "object": kind, "created": created, "model": body.model or self.model_name,
-                "choices": choices, "usage": usage_body([outputs[-1] for _, outputs in collected])}
+        for i, (_, outputs) in enumerate(collected):  # index order: each prompt's choice 0 first
+            shown[i // prepared.n].seen(outputs[0])
+        response = {"id": prepared.request_id, "object": kind, "created": created,
+                    "model": body.model or self.model_name}
+        if chat:
+            response["choices"] = [self._chat_choice(i, text, outputs, want_logprobs, prepared.parse_tools, name)
+                                   for i, (text, outputs) in enumerate(collected)]
+            if prepared.show_prompt_logprobs:  # vLLM's: once, beside the choices
+                response["prompt_logprobs"] = vllm_prompt_logprobs(shown[0].logprobs, name)
+        else:
+            response["choices"] = [self._completion_choice(i, text, outputs, want_logprobs, prepared,
+                                                           shown[i // prepared.n], name)
+                                   for i, (text, outputs) in enumerate(collected)]
+        response["usage"] = usage_body([outputs[-1] for _, outputs in collected], prepared.n)
+        return response
 
-    def _choice(self, index: int, text: str, outputs: list[RequestOutput], chat: bool, want_logprobs: bool,
-                parse_tools: bool) -> dict[str, Any]:
+    def _completion_choice(self, index: int, text: str, outputs: list[RequestOutput], want_logprobs: bool,
+                           prepared: Prepared, shown: PromptShown, name: TokenName) -> dict[str, Any]:
+        tokens = generated([lp for out in outputs for lp in (out.new_logprobs or [])])
+        if prepared.echo:
+            text, tokens = shown.text + text, shown.tokens() + tokens
+        choice = {"index": index, "text": text,
+                  "logprobs": completion_logprobs(tokens, name, 0) if want_logprobs else None,
+                  "finish_reason": outputs[-1].finish_reason}
+        if prepared.show_prompt_logprobs:  # vLLM's, per choice
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(shown.logprobs, name)
+        return choice
+
+    def _chat_choice(self, index: int, text: str, outputs: list[RequestOutput], want_logprobs: bool,
+                     parse_tools: bool, name: TokenName) -> dict[str, Any]:
         logprobs = [lp for out in outputs for lp in (out.new_logprobs or [])]
         finish_reason = outputs[-1].finish_reason
-        choice: dict[str, Any] = {"index": index}
-        if chat:
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if parse_tools:
-                parsed = parse_tool_calls(text)
-                if parsed.tool_calls:
-                    message = {"role": "assistant", "content": parsed.content,
-                               "tool_calls": [call.to_openai() for call in parsed.tool_calls]}
-                    finish_reason = "tool_calls"
-            choice["message"] = message
-            choice["logprobs"] = {"content": self._chat_logprobs(logprobs)} if want_logprobs else None
-        else:
-            choice["text"] = text
-            choice["logprobs"] = self._completion_logprobs(logprobs, 0) if want_logprobs else None
-        choice["finish_reason"] = finish_reason
-        return choice
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if parse_tools:
+            parsed = parse_tool_calls(text)
+            if parsed.tool_calls:
+                message = {"role": "assistant", "content": parsed.content,
+                           "tool_calls": [call.to_openai() for call in parsed.tool_calls]}
+                finish_reason = "tool_calls"
+        return {"index": index, "message": message,
+                "logprobs": {"content": chat_logprobs(logprobs, name)} if want_logprobs else None,
+                "finish_reason": finish_reason}
 
     # Every output that carries tokens is an event, its text possibly empty (a token whose text
     # is held back, e.g. part of a UTF-8 character), as vLLM does: a client's time to first
@@ -129,7 +193,7 @@ class Responder:
     # The common event (a text delta, no logprobs, not the last) is built from a template made
     # once per choice, encoding only the text: the bytes are those _sse() would make of the
     # whole object (tests/unit/test_serve_sse_bytes.py compares them).
-    def _chat_render(self, base: dict, index: int, want_logprobs: bool, parse_tools: bool) -> Render:
+    def _chat_render(self, base: dict, index: int, want_logprobs: bool, parse_tools: bool, name: TokenName) -> Render:
         def chunk(delta: dict, logprobs=None, finish_reason=None) -> str:
             return _sse({**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                               "finish_reason": finish_reason}]})
@@ -144,20 +208,21 @@ class Responder:
             if template is not None and out.new_token_ids and not out.finished:
                 events.append(f"{template[0]}{_encode_str(out.new_text)}{template[1]}")
             elif tools is not None:
-                events += self._tool_events(tools, out, chunk, want_logprobs)
+                events += self._tool_events(tools, out, chunk, want_logprobs, name)
             elif out.new_token_ids or out.finished:
-                logprobs = {"content": self._chat_logprobs(out.new_logprobs or [])} if want_logprobs else None
+                logprobs = {"content": chat_logprobs(out.new_logprobs or [], name)} if want_logprobs else None
                 events.append(chunk({"content": out.new_text} if out.new_text or not out.finished else {}, logprobs,
                                     out.finish_reason if out.finished else None))
             return events
 
         return render
 
-    def _tool_events(self, tools: ToolCallStream, out: RequestOutput, chunk, want_logprobs: bool) -> list[str]:
+    def _tool_events(self, tools: ToolCallStream, out: RequestOutput, chunk, want_logprobs: bool,
+                     name: TokenName) -> list[str]:
         """One output's events when the text is read for tool calls: content and tool-call
         deltas as the parser releases them; the output's logprobs ride on its first event."""
         deltas = tools.feed(out.new_text) + (tools.finish() if out.finished else [])
-        logprobs = {"content": self._chat_logprobs(out.new_logprobs or [])} if want_logprobs else None
+        logprobs = {"content": chat_logprobs(out.new_logprobs or [], name)} if want_logprobs else None
         events = []
         for delta in deltas:
             events.append(chunk(delta.to_openai(), logprobs))
@@ -169,26 +234,33 @@ class Responder:
             events.append(chunk({"content": ""}, logprobs))
         return events
 
-    def _completion_render(self, base: dict, index: int, want_logprobs: bool, parse_tools: bool) -> Render:
+    def _completion_render(self, base: dict, index: int, want_logprobs: bool, name: TokenName,
+                           echo: PromptShown | None) -> Render:
+        """echo: the prompt the choice's first event starts with (its text, and its tokens in the logprobs)."""
         template = None if want_logprobs else _template(
             {**base, "choices": [{"index": index, "text": _HOLE, "logprobs": None, "finish_reason": None}]})
         offset = 0  # characters streamed so far: the logprobs' text offsets
 
         def render(out: RequestOutput, first: bool) -> list[str]:
             nonlocal offset
-            if template is not None and out.new_token_ids and not out.finished:
+            echoing = first and echo is not None
+            if template is not None and out.new_token_ids and not out.finished and not echoing:
                 return [f"{template[0]}{_encode_str(out.new_text)}{template[1]}"]
             if not (out.new_token_ids or out.finished):
                 return []
-            logprobs = self._completion_logprobs(out.new_logprobs or [], offset) if want_logprobs else None
-            offset += len(out.new_text)
-            return [_sse({**base, "choices": [{"index": index, "text": out.new_text, "logprobs": logprobs,
+            text, tokens = out.new_text, generated(out.new_logprobs or [])
+            if echoing:
+                echo.seen(out)
+                text, tokens = echo.text + text, echo.tokens() + tokens
+            logprobs = completion_logprobs(tokens, name, offset) if want_logprobs else None
+            offset += len(text)
+            return [_sse({**base, "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                                "finish_reason": out.finish_reason if out.finished else None}]})]
 
         return render
 
     async def _events(self, streams: list[RequestStream], base: dict, include_usage: bool,
-                      renders: list[Render]) -> AsyncIterator[str | bytes]:
+                      renders: list[Render], n: int) -> AsyncIterator[str | bytes]:
         """One streamed request's SSE body: each choice's outputs rendered as they come; then
         the usage event (when asked) and [DONE]. A failure mid-stream is an error event."""
         lasts: list[RequestOutput | None] = [None] * len(streams)
@@ -208,30 +280,8 @@ class Responder:
         finally:
             _abort_all(streams)  # a no-op once finished; a client that left gets its requests aborted here
         if include_usage and all(last is not None for last in lasts):
-            yield _sse({**base, "choices": [], "usage": usage_body(lasts)})
+            yield _sse({**base, "choices": [], "usage": usage_body(lasts, n)})
         yield "data: [DONE]\n\n"
-
-    # ---- logprobs in OpenAI's two formats
-    def _entry(self, token_id: int, logprob: float) -> dict:
-        text = self.token_text(token_id)
-        return {"token": text, "logprob": finite(logprob), "bytes": list(text.encode("utf-8"))}
-
-    def _chat_logprobs(self, logprobs: list) -> list[dict]:
-        return [{**self._entry(lp.token_id, lp.logprob),
-                 "top_logprobs": [self._entry(t, v) for t, v in lp.top]} for lp in logprobs]
-
-    def _completion_logprobs(self, logprobs: list, offset: int) -> dict:
-        tokens, values, tops, offsets = [], [], [], []
-        for lp in logprobs:
-            text = self.token_text(lp.token_id)
-            tokens.append(text)
-            values.append(finite(lp.logprob))
-            top = {self.token_text(t): finite(v) for t, v in lp.top}
-            top.setdefault(text, finite(lp.logprob))  # the sampled token is always listed, as vLLM does
-            tops.append(top)
-            offsets.append(offset)
-            offset += len(text)
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
 def _abort_all(streams: list[RequestStream]) -> None:

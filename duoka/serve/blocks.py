@@ -13,7 +13,9 @@ count + 1) instead of computing them again. Blocks are append-only once full, so
 is never written. A block whose last user leaves keeps its hash and contents and goes to the
 tail of the free list; allocation takes from the head and drops the old hash only then, so
 freed blocks are evicted least recently freed first and a later request still hits the ones
-that survive.
+that survive. A sequence takes cached blocks only within its Sequence.cache_limit: never its
+last token, and for a request that asks for prompt logprobs only the rows already scored (the
+cache holds keys and values, not the logits those rows need).
 """
 
 from __future__ import annotations
@@ -121,12 +123,12 @@ class BlockManager:
         return hits, num_new, need + reclaimed <= len(self.free_queue)
 
     def _lookup(self, seq) -> list[int]:
-        """The blocks holding seq's longest cached prefix of full blocks. The last token is
-        never taken from the cache: the model must run on at least one token to give the
-        logits the next token is sampled from."""
+        """The blocks holding seq's longest cached prefix of full blocks, within the tokens the
+        cache may serve it (Sequence.cache_limit: never the last token, whose logits the next
+        token is sampled from, nor a prompt row whose logprobs are still owed)."""
         if not self.enable_prefix_caching:
             return []
-        n = (seq.num_tokens - 1) // self.block_size
+        n = seq.cache_limit // self.block_size
         self._extend_hashes(seq, n)
         hits = []
         for h in seq.block_hashes[:n]:

@@ -25,6 +25,7 @@ from duoka.serve.blocks import BlockManager
 from duoka.serve.config import EngineConfig
 from duoka.serve.detok import IncrementalDetokenizer
 from duoka.serve.params import RequestOutput, SamplingParams, TokenLogprob
+from duoka.serve.prompt_logprobs import prompt_rows
 from duoka.serve.runner import CacheShape, ModelRunner, decode_first, prepare_inputs
 from duoka.serve.sampling import SampleRow
 from duoka.serve.scheduler import ScheduledBatch, Scheduler, SeqStatus, Sequence
@@ -140,6 +141,8 @@ class LLMEngine:
         worker.start()
         self.shape: CacheShape = worker.shape
         args = worker.args
+        for warning in self.tokenizer.warnings(args.vocab_size):
+            log(f"duoka: warning: {warning}")
 
         stop_ids = self.tokenizer.stop_ids()
         if not stop_ids and args.eos_token_id is not None:
@@ -160,7 +163,11 @@ class LLMEngine:
         # id -> (seq, detok, its sampling row: params and seed fixed, output_index set each step)
         self._requests: dict[str, tuple[Sequence, IncrementalDetokenizer, SampleRow]] = {}
         self._aborted: list[RequestOutput] = []
-        self._in_flight: tuple | None = None  # (batch, sampled request ids, PendingSample) of the launched step
+        # The launched step: (batch, sampled request ids, PendingSample or None, PendingPromptLogprobs or None).
+        self._in_flight: tuple | None = None
+        # Requests with prompt_logprobs, until their first output: their prompt rows' entries so
+        # far. Empty (the common case), a step looks for no prompt rows.
+        self._prompt_logprobs: dict[str, list[TokenLogprob]] = {}
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._preemptions = 0
@@ -183,6 +190,8 @@ class LLMEngine:
         sibling = self._requests.get(after)[0] if after in self._requests else None
         seq = Sequence(request_id, list(prompt_ids), params, adapter=self.adapter_index(lora), after=sibling)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop)
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs[request_id] = []
         if params.structured is not None:
             self.grammars.submit(request_id, params.structured)
             self._compiling.append(seq)
@@ -208,6 +217,7 @@ class LLMEngine:
         seq = entry[0]
         self.scheduler.abort(request_id)
         self.grammars.drop(request_id)
+        self._prompt_logprobs.pop(request_id, None)
         if seq in self._compiling:
             self._compiling.remove(seq)
         self._aborted.append(RequestOutput(request_id, [], "", None, True, "abort", seq.num_prompt_tokens,
@@ -244,7 +254,12 @@ class LLMEngine:
     def _launch(self, batch: ScheduledBatch) -> None:
         items = decode_first(batch.items)
         inputs = prepare_inputs(items, self.shape.block_size)
-        logits = self.worker.execute(inputs)  # under tensor parallelism, sent to the other ranks first
+        prompt = prompt_rows(items) if self._prompt_logprobs else None
+        scored = None
+        if prompt is None:  # under tensor parallelism, the step is sent to the other ranks first
+            logits = self.worker.execute(inputs)
+        else:
+            logits, scored = self.worker.execute_with_prompt(inputs, prompt)
         requests = self._requests
         rows, ids = [], []
         prompt_tokens = 0
@@ -263,23 +278,33 @@ class LLMEngine:
         if self._accepts:
             self._accept_landed()
         masks = self.grammars.fill(list(enumerate(ids))) if self.grammars else None
-        self._in_flight = (batch, ids, self.worker.sample(logits, rows, masks))
+        # A step of prompts that generate nothing (max_tokens 0) samples nothing.
+        sample = self.worker.sample(logits, rows, masks) if rows else None
+        self._in_flight = (batch, ids, sample, scored)
 
-    def _land(self) -> list[tuple[Sequence, int, TokenLogprob | None]]:
+    def _land(self) -> list[tuple[Sequence, int | None, TokenLogprob | None]]:
         """The step in flight, finished: its tokens appended (the scheduler drops those of
         sequences finished or aborted meanwhile), as (sequence, token, logprob) to output."""
         if self._in_flight is None:
             return []
-        batch, ids, pending = self._in_flight
+        batch, ids, pending, scored = self._in_flight
         self._in_flight = None
-        result = pending.result()
-        sampled = dict(zip(ids, result.token_ids))
-        logprobs = dict(zip(ids, result.logprobs)) if any(result.logprobs) else {}
+        sampled, logprobs = {}, {}
+        if pending is not None:
+            result = pending.result()
+            sampled = dict(zip(ids, result.token_ids))
+            logprobs = dict(zip(ids, result.logprobs)) if any(result.logprobs) else {}
+        if scored is not None:
+            for span, entries in scored.result():
+                if span.seq.status is SeqStatus.RUNNING:  # not aborted since
+                    self._prompt_logprobs[span.seq.request_id].extend(entries)
         self._generation_tokens += len(sampled)
-        landed = [(seq, sampled[seq.request_id], logprobs.get(seq.request_id))
+        # A request that generates nothing lands once, without a token, when its prompt is done.
+        landed = [(seq, sampled.get(seq.request_id), logprobs.get(seq.request_id))
                   for seq in self.scheduler.update(batch, sampled)]
         if self.grammars:  # advanced in the next _launch, while the device runs its forward
-            self._accepts = [(seq, token) for seq, token, _ in landed if seq.request_id in self.grammars]
+            self._accepts = [(seq, token) for seq, token, _ in landed
+                             if token is not None and seq.request_id in self.grammars]
         return landed
 
     def _accept_landed(self) -> None:
@@ -305,6 +330,7 @@ class LLMEngine:
             except DuokaError as e:
                 self.log(f"duoka: request {seq.request_id}: {e.cause}")
                 self._requests.pop(seq.request_id, None)
+                self._prompt_logprobs.pop(seq.request_id, None)
                 self.grammars.drop(seq.request_id)
                 outputs.append(RequestOutput(seq.request_id, [], "", None, True, "abort", seq.num_prompt_tokens, 0, 0))
                 continue
@@ -312,11 +338,12 @@ class LLMEngine:
         self._compiling = waiting
         return outputs
 
-    def _output(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+    def _output(self, seq: Sequence, token: int | None, logprob: TokenLogprob | None) -> RequestOutput:
+        """The output of one landed token (None: a prompt that generates nothing is done)."""
         detok = self._requests[seq.request_id][1]
         finished = seq.status is SeqStatus.FINISHED
-        new_ids = [token]
-        if finished and seq.finish_reason == "stop":  # a stop id: not part of the text
+        new_ids = [] if token is None else [token]
+        if token is None or (finished and seq.finish_reason == "stop"):  # a stop id: not part of the text
             text, stop = "", None
         else:
             text, stop = detok.push(new_ids)
@@ -328,8 +355,12 @@ class LLMEngine:
                 text += detok.flush()
             del self._requests[seq.request_id]
             self.grammars.drop(seq.request_id)
+        prompt_logprobs = None
+        if seq.params.prompt_logprobs is not None and len(seq.output_ids) <= 1:  # its first output
+            prompt_logprobs = [None, *self._prompt_logprobs.pop(seq.request_id, ())]
         return RequestOutput(seq.request_id, new_ids, text, None if logprob is None else [logprob], finished,
-                             seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids), seq.num_cached_tokens)
+                             seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids), seq.num_cached_tokens,
+                             prompt_logprobs)
 
     def stats(self) -> EngineStats:
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, self.blocks.usage,

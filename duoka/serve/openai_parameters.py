@@ -33,9 +33,11 @@ PARAMETERS = (
                                          "omitted: the base model"),
     Parameter("messages", CHAT, SUPPORTED, "roles system, developer (as system), user, assistant (with "
                                              "`tool_calls`), tool (with `tool_call_id`); text content parts only"),
-    Parameter("prompt", COMPLETIONS, SUPPORTED, "a string, token ids, or a list of one of them; a batch of "
-                                                  "several prompts is refused"),
-    Parameter("max_tokens", BOTH, SUPPORTED, "default: what the context leaves"),
+    Parameter("prompt", COMPLETIONS, SUPPORTED, "a string, token ids, or a list of strings or of token-id lists: "
+                                                  "one choice per prompt (with n: index = prompt index x n + choice), "
+                                                  "each prompt a sequence of its own in the batch"),
+    Parameter("max_tokens", BOTH, SUPPORTED, "default: what the context leaves; completions: 0 with echo scores the "
+                                               "prompt and generates nothing (without echo, a 400)"),
     Parameter("max_completion_tokens", CHAT, SUPPORTED, "as max_tokens, and wins over it"),
     Parameter("temperature", BOTH, SUPPORTED, "0 = greedy"),
     Parameter("top_p", BOTH, SUPPORTED, ""),
@@ -53,7 +55,8 @@ PARAMETERS = (
     Parameter("frequency_penalty", BOTH, SUPPORTED, "OpenAI's formula, on the output so far"),
     Parameter("repetition_penalty", BOTH, SUPPORTED, "vLLM's / transformers': on prompt and output tokens"),
     Parameter("logit_bias", BOTH, SUPPORTED, "token id -> bias in [-100, 100], added to the logits"),
-    Parameter("logprobs", BOTH, SUPPORTED, "chat: true/false; completions: 0-20 alternatives"),
+    Parameter("logprobs", BOTH, SUPPORTED, "chat: true/false; completions: 0-20 alternatives (with echo, the "
+                                             "prompt's tokens too)"),
     Parameter("top_logprobs", CHAT, SUPPORTED, "0-20, with logprobs=true"),
     Parameter("response_format", BOTH, SUPPORTED, "text, json_object, json_schema: enforced by a token mask "
                                                     "(xgrammar); JSON comes compact"),
@@ -64,7 +67,14 @@ PARAMETERS = (
     Parameter("stream", BOTH, SUPPORTED, "server-sent events"),
     Parameter("stream_options", BOTH, SUPPORTED, "include_usage; only with stream=true"),
     Parameter("user", BOTH, IGNORED, ""),
-    Parameter("echo", COMPLETIONS, REFUSED, "not implemented yet"),
+    Parameter("echo", COMPLETIONS, SUPPORTED, "the text starts with the prompt; with logprobs, the prompt's tokens "
+                                                "come first (the first with null), from the prefill's own logits: "
+                                                "such a prompt is computed whole, not read from the prefix cache"),
+    Parameter("prompt_logprobs", BOTH, SUPPORTED, "vLLM's: 0-20; each prompt token's logprob, rank and alternatives "
+                                                    "(per choice on completions, once on chat); not with stream; the "
+                                                    "prompt is computed whole, not read from the prefix cache"),
+    Parameter("return_tokens_as_token_ids", BOTH, SUPPORTED, "vLLM's: logprobs name tokens `token_id:N`, so "
+                                                               "different tokens with the same text stay apart"),
     Parameter("suffix", COMPLETIONS, REFUSED, "Qwen2 has no fill-in-the-middle"),
     Parameter("use_beam_search", BOTH, REFUSED, "vLLM's; beam search is not implemented"),
 )

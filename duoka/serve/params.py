@@ -114,7 +114,8 @@ def _logit_bias(value) -> tuple[tuple[int, float], ...]:
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    """How many tokens to generate at most (>= 1)."""
+    """How many tokens to generate at most (>= 0; 0: the prompt is computed and nothing is
+    generated, for its prompt_logprobs: scoring)."""
     temperature: float = 1.0
     """Finite, >= 0; 0 = greedy (argmax)."""
     top_p: float = 1.0
@@ -145,6 +146,11 @@ class SamplingParams:
     stop_token_ids) cannot be sampled; [0, max_tokens]."""
     structured: StructuredOutput | None = None
     """A constraint on the text (JSON, a JSON schema, a grammar); None = free text."""
+    prompt_logprobs: int | None = None
+    """None: off; k >= 0: every prompt token's logprob after the tokens before it (the first
+    token has none) and the k most likely tokens at its place, from the prefill's own logits
+    (fp32 log-softmax of the model's raw logits). Such a prompt is computed whole rather than
+    read from the prefix cache (Sequence.cache_limit): the cache keeps keys and values, not logits."""
 
     def __post_init__(self):
         # Lists are accepted (JSON has no tuples) and stored as tuples so the params stay
@@ -171,9 +177,9 @@ class SamplingParams:
         self._check()
 
     def _check(self):
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise DuokaError(f"max_tokens={self.max_tokens!r} must be an integer >= 1",
-                             "ask for at least one token")
+        if not _is_int(self.max_tokens) or self.max_tokens < 0:
+            raise DuokaError(f"max_tokens={self.max_tokens!r} must be an integer >= 0",
+                             "ask for at least one token, or 0 to score the prompt only (with prompt_logprobs)")
         # `nan < 0` is False, so NaN needs its own test; inf would sample uniformly.
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise DuokaError(f"temperature={self.temperature} must be a finite number >= 0",
@@ -199,9 +205,11 @@ class SamplingParams:
                              "token ids are >= 0")
         if not isinstance(self.ignore_eos, bool):
             raise DuokaError(f"ignore_eos={self.ignore_eos!r} must be true or false", "give a boolean")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise DuokaError(f"logprobs={self.logprobs!r} must be an integer in [0, {MAX_LOGPROBS}]",
-                             f"ask for at most {MAX_LOGPROBS} alternatives per token (OpenAI's limit)")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise DuokaError(f"{name}={value!r} must be an integer in [0, {MAX_LOGPROBS}]",
+                                 f"ask for at most {MAX_LOGPROBS} alternatives per token (OpenAI's limit)")
         low, high = PENALTY_RANGE
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
@@ -243,6 +251,9 @@ class TokenLogprob:
     logprob: float
     top: list[tuple[int, float]]
     """The most likely alternatives as (token id, logprob), most likely first."""
+    rank: int | None = None
+    """A prompt token's rank among the vocabulary at its place (1: the most likely; vLLM's);
+    None for sampled tokens."""
 
 
 @dataclass
@@ -261,3 +272,6 @@ class RequestOutput:
     """Total so far: tokens up to and including a stop token id; the text is cut at a stop string."""
     num_cached_tokens: int
     """Prompt tokens served from the prefix cache."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """With SamplingParams.prompt_logprobs, on the request's first output only: one entry per
+    prompt token, None for the first (nothing comes before it)."""

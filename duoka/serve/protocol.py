@@ -130,6 +130,9 @@ class CommonRequest(_Body):
     repetition_penalty: float | None = Field(None, gt=0, allow_inf_nan=False)  # vLLM's
     min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
     response_format: ResponseFormat | None = None
+    # vLLM's: each prompt token's logprob and its k alternatives, in the response's prompt_logprobs.
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
     # Known fields whose non-default values duoka does not implement: refused, not ignored.
     use_beam_search: bool = False
 
@@ -146,6 +149,7 @@ class ChatRequest(CommonRequest):
 
 class CompletionRequest(CommonRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0 with echo: score the prompt, generate nothing
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
@@ -157,13 +161,15 @@ def refuse_unsupported(body: CommonRequest) -> None:
     unsupported = [("use_beam_search", body.use_beam_search)]
     if isinstance(body, CompletionRequest):
         # best_of = n asks for nothing more than n; more would need choices ranked and dropped.
-        unsupported += [("echo", body.echo), ("suffix", bool(body.suffix)),
-                        ("best_of", body.best_of is not None and body.best_of != body.n)]
+        unsupported += [("suffix", bool(body.suffix)), ("best_of", body.best_of is not None and body.best_of != body.n)]
     for name, asked in unsupported:
         if asked:
             raise ApiError(400, f"{name} is not supported by duoka serve; leave it out of the request", param=name)
     if body.stream_options is not None and not body.stream:
         raise ApiError(400, "stream_options is only allowed with stream=true", param="stream_options")
+    if body.prompt_logprobs is not None and body.stream:  # as vLLM: they come whole, before any token
+        raise ApiError(400, "prompt_logprobs is not available with stream=true; fix: leave out stream (or, on "
+                            "/v1/completions, use echo=true with logprobs, which streams)", param="prompt_logprobs")
 
 
 def chat_message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
@@ -195,12 +201,13 @@ def chat_message_dict(index: int, message: ChatMessage) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- response parts
-def usage_body(lasts: list[RequestOutput]) -> dict:
-    """A request's usage object, from each choice's last output: the prompt counted once (the
-    choices share it), the completions summed."""
-    prompt, completion = lasts[0].num_prompt_tokens, sum(out.num_output_tokens for out in lasts)
+def usage_body(lasts: list[RequestOutput], n: int = 1) -> dict:
+    """A request's usage object, from each choice's last output (n choices per prompt, in
+    order): each prompt counted once (its choices share it), the completions summed."""
+    firsts = lasts[::n]
+    prompt, completion = sum(out.num_prompt_tokens for out in firsts), sum(out.num_output_tokens for out in lasts)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": lasts[0].num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": sum(out.num_cached_tokens for out in firsts)}}
 
 
 def finite(value: float) -> float:

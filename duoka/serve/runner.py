@@ -22,6 +22,7 @@ from duoka.models.qwen2.model import Qwen2
 from duoka.models.qwen2.multi_lora import adapter_ids_of
 from duoka.models.qwen2.paged import PagedBatch
 from duoka.models.quant.small_batch import save_tuned_configs
+from duoka.serve.sampling import to_device
 from duoka.serve.scheduler import ScheduledItem
 
 # CPU serving is for laptops and tests: without a GPU's memory to fill, the cache takes
@@ -235,8 +236,27 @@ class ModelRunner:
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """The step's logits [S, vocab] in fp32 (hidden states on a stage without a head)."""
         n = len(inputs.context_lens)
-        if self.graphs and inputs.num_decodes == n and n <= max(self.graphs):
+        # A graph returns a logits row for every sequence: a step where one does not sample (a
+        # chunk of one token inside a prompt) runs eagerly.
+        if self.graphs and inputs.num_decodes == n and len(inputs.logits_indices) == n and n <= max(self.graphs):
             return self._replay(inputs)
+        return self._eager(inputs, None).float()
+
+    @torch.inference_mode()
+    def execute_with_hidden(self, inputs: StepInputs, hidden_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """execute()'s logits, and the final hidden states [P, dim] of the token rows
+        hidden_rows [P] (prompt logprobs: head() turns them into logits slice by slice). Eager
+        always: a CUDA graph returns logits only."""
+        logits, hidden = self._eager(inputs, hidden_rows)
+        return logits.float(), hidden
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [R, dim] -> fp32 logits [R, vocab] (the output head is whole on
+        every tensor-parallel rank: no collective)."""
+        return self.model.output(hidden).float()
+
+    def _eager(self, inputs: StepInputs, hidden_rows: torch.Tensor | None):
+        """The forward without a graph: the model's output as it returns it (PagedBatch.hidden_indices)."""
         x = inputs.to(self.device)
         if self.adapter_ids is not None:
             ids = x.adapter_ids
@@ -246,7 +266,10 @@ class ModelRunner:
                 ids = ids.clone()  # are, or a compiled block would be compiled once for each kind
             self.adapter_ids.use(ids)
         splits = paged_decode.num_splits(x.num_decodes, self.shape.kv_heads, x.max_context_len) if x.num_decodes else 1
-        return self.model(x.token_ids[None], positions=x.positions, paged=self._batch(x, splits)).float()
+        batch = self._batch(x, splits)
+        if hidden_rows is not None:
+            batch.hidden_indices = to_device(hidden_rows, self.device)
+        return self.model(x.token_ids[None], positions=x.positions, paged=batch)
 
     # ---------------------------------------------------------------- CUDA graphs
     @torch.inference_mode()

@@ -157,7 +157,7 @@ class SampleResult:
     logprobs: list[TokenLogprob | None]
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on the device without a host sync: a plain .to(cuda) copies from
     pageable memory and waits for the stream."""
     if device.type != "cuda":
@@ -166,27 +166,25 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 def _upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return _to_device(torch.tensor(values, dtype=dtype), device)
+    return to_device(torch.tensor(values, dtype=dtype), device)
 
 
 def _flat_index(ids: array, lengths: list[int], V: int, device: torch.device) -> torch.Tensor:
     """Positions in a flattened [S, V] tensor: row r's lengths[r] ids, one after another in
     `ids`, become r * V + id. The ids go up flat (array.extend and frombuffer: ~20x faster than
     torch.tensor of nested lists), each row's count of them alongside."""
-    flat = _to_device(torch.frombuffer(ids, dtype=torch.int64), device)
+    flat = to_device(torch.frombuffer(ids, dtype=torch.int64), device)
     # output_size spares repeat_interleave the host sync that would size its output.
     row = torch.arange(len(lengths), device=device).repeat_interleave(_upload(lengths, torch.int64, device),
                                                                       output_size=len(ids))
     return row.mul_(V).add_(flat)
 
 
-class PendingSample:
-    """A launched sampling step: its figures are copied to the host behind the device's work;
-    result() waits for them (the step's one host synchronisation) and unpacks them."""
+class HostCopy:
+    """A device tensor copied to pinned host memory behind the device's work, without waiting;
+    values() waits for it (a host synchronisation) and returns it as a list."""
 
-    def __init__(self, packed: torch.Tensor, asked: list[int | None], want: list[int], top_k: int):
-        self.asked, self.want, self.top_k = asked, want, top_k
-        self.rows = len(asked)
+    def __init__(self, packed: torch.Tensor):
         self.event = None
         if packed.device.type == "cuda":
             self.host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -196,10 +194,23 @@ class PendingSample:
         else:
             self.host = packed
 
-    def result(self) -> SampleResult:
+    def values(self) -> list:
         if self.event is not None:
             self.event.synchronize()
-        host = self.host.tolist()  # token ids are exact in fp64
+        return self.host.tolist()
+
+
+class PendingSample:
+    """A launched sampling step: its figures are copied to the host behind the device's work;
+    result() waits for them (the step's one host synchronisation) and unpacks them."""
+
+    def __init__(self, packed: torch.Tensor, asked: list[int | None], want: list[int], top_k: int):
+        self.asked, self.want, self.top_k = asked, want, top_k
+        self.rows = len(asked)
+        self.copy = HostCopy(packed)
+
+    def result(self) -> SampleResult:
+        host = self.copy.values()  # token ids are exact in fp64
         S, want, top_k = self.rows, self.want, self.top_k
         token_ids = [int(t) for t in host[:S]]
         result: list[TokenLogprob | None] = [None] * S
@@ -288,7 +299,7 @@ class Sampler:
         V = logits.shape[1]
         device = logits.device
         index = _upload(masks.rows, torch.int64, device)
-        bits = masks.bits if masks.bits.device == device else _to_device(masks.bits, device)
+        bits = masks.bits if masks.bits.device == device else to_device(masks.bits, device)
         shifts = torch.arange(32, dtype=torch.int32, device=device)
         # Bit j of word w is token 32 * w + j; & 1 after the (arithmetic) shift reads bit 31 too.
         allowed = (bits[:, :, None] >> shifts).bitwise_and_(1).view(len(masks.rows), -1).bool()
@@ -314,7 +325,7 @@ class Sampler:
             values.extend(r.bias_values)
             lengths.append(len(r.bias_ids))
         flat = _flat_index(ids, lengths, V, device)
-        logits.view(-1).index_add_(0, flat, _to_device(torch.frombuffer(values, dtype=torch.float32), device))
+        logits.view(-1).index_add_(0, flat, to_device(torch.frombuffer(values, dtype=torch.float32), device))
 
     def _block(self, logits: torch.Tensor, rows: list[SampleRow], blocking: list[int]) -> None:
         """min_tokens: the blocked ids of the rows in `blocking` -> -inf, in place, except in a
@@ -329,7 +340,7 @@ class Sampler:
         if not ids:
             return
         index = _upload(blocking, torch.int64, device)
-        token = _to_device(torch.frombuffer(ids, dtype=torch.int64), device)
+        token = to_device(torch.frombuffer(ids, dtype=torch.int64), device)
         # Each entry's row among the blocking rows; its position there and in the whole logits.
         entry_row = torch.arange(len(blocking), device=device).repeat_interleave(
             _upload(lengths, torch.int64, device), output_size=len(ids))

@@ -16,6 +16,9 @@ The policy is vLLM v1's, first come first served, under one token budget per ste
    a head whose sibling (Sequence.after: another choice of an n > 1 request) has not computed
    their shared prompt yet: admitted a step later, it finds the prompt's blocks cached.
 
+A sequence of max_tokens 0 (scoring a prompt for its prompt logprobs) is scheduled like any
+other, samples nothing, and finishes ("length") with the step that completes its prompt.
+
 Termination: the engine refuses a request that could not fit in the whole cache on its own
 (add() asserts it), and the first running sequence is never preempted by a later one, so
 each step moves the oldest running sequence forward and every request finishes.
@@ -56,7 +59,7 @@ class Sequence:
 
     __slots__ = ("request_id", "prompt_ids", "output_ids", "all_ids", "params", "status", "block_table",
                  "block_array", "num_computed", "num_cached_tokens", "arrival", "finish_reason", "num_preemptions",
-                 "block_hashes", "num_registered_blocks", "adapter", "after")
+                 "block_hashes", "num_registered_blocks", "adapter", "after", "generates", "prompt_logprob_rows")
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float | None = None,
                  adapter: int = 0, after: Sequence | None = None):
@@ -80,6 +83,12 @@ class Sequence:
         # A sibling (another choice of the same request, n > 1) whose prompt this one shares: it
         # is admitted only once that prompt is in the cache, to reuse its blocks, not compute them twice.
         self.after = after
+        # max_tokens 0 (scoring): the prompt is computed, nothing is sampled, and it finishes then.
+        self.generates = params.max_tokens > 0
+        # Prompt rows (row p's logits give token p + 1's logprob) whose prompt logprobs have been
+        # computed; kept across preemption, so a recompute neither repeats them nor takes the
+        # rows still owed from the prefix cache (cache_limit).
+        self.prompt_logprob_rows = 0
 
     @property
     def num_tokens(self) -> int:
@@ -88,6 +97,16 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_ids)
+
+    @property
+    def cache_limit(self) -> int:
+        """How many leading tokens the prefix cache may serve: all but the last (the model runs
+        on at least one token, whose logits the next token is sampled from); with
+        prompt_logprobs, only the rows whose logprobs are out already, since every other prompt
+        row's logits must be computed and the cache holds keys and values, not logits."""
+        if self.params.prompt_logprobs is not None and self.prompt_logprob_rows < len(self.prompt_ids) - 1:
+            return self.prompt_logprob_rows
+        return len(self.all_ids) - 1
 
     @property
     def num_output_tokens(self) -> int:
@@ -110,7 +129,7 @@ def _prompt_pending(seq: Sequence) -> bool:
 @dataclass(slots=True)
 class ScheduledItem:
     """Compute seq.all_ids[start:start + num_new] this step; sample a token after the last one
-    when sample (the chunk reaches the end of the sequence)."""
+    when sample (the chunk reaches the end of a sequence that generates: not max_tokens 0)."""
     seq: Sequence
     start: int
     num_new: int
@@ -155,8 +174,9 @@ class Scheduler:
         assert seq.status is SeqStatus.WAITING and not seq.block_table, seq
         assert seq.request_id not in self.requests, f"request id {seq.request_id!r} is already in flight"
         # The engine refuses what breaks these (DuokaError at add_request). They make
-        # preemption terminate: a sequence alone in the cache always gets its blocks.
-        assert seq.num_prompt_tokens < self.max_model_len, (seq.num_prompt_tokens, self.max_model_len)
+        # preemption terminate: a sequence alone in the cache always gets its blocks. A prompt
+        # that generates nothing (max_tokens 0) may fill the whole context.
+        assert seq.num_prompt_tokens + seq.generates <= self.max_model_len, (seq.num_prompt_tokens, self.max_model_len)
         longest = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         assert longest <= capacity, f"{seq.request_id}: {longest} tokens cannot fit in a cache of {capacity}"
@@ -206,7 +226,7 @@ class Scheduler:
             # Blocks are asked for only past the table's end (most decodes fit in their last block).
             if end > len(seq.block_table) * block_size and not self._make_room(seq, end - start, batch):
                 break  # seq preempted itself: it was the last one running
-            items.append(ScheduledItem(seq, start, end - start, end == num_tokens))
+            items.append(ScheduledItem(seq, start, end - start, end == num_tokens and seq.generates))
             budget -= end - start
             i += 1
         if batch.preempted:
@@ -227,7 +247,7 @@ class Scheduler:
             seq.status = SeqStatus.RUNNING
             running.append(seq)
             batch.items.append(ScheduledItem(seq, seq.num_computed, num_new,
-                                             seq.num_computed + num_new == seq.num_tokens))
+                                             seq.num_computed + num_new == seq.num_tokens and seq.generates))
             budget -= num_new
         return batch
 
@@ -251,7 +271,8 @@ class Scheduler:
     def update(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Sequence]:
         """Account for a finished model step: the items' K/V are in the cache, and sampled holds
         the token drawn for each item with sample=True. Returns the sequences that got a token
-        (finished ones included, with their finish_reason)."""
+        (finished ones included, with their finish_reason), and those that generate nothing
+        (max_tokens 0) whose prompt this step completed: finished, "length", without a token."""
         register = self.block_manager.register_computed
         eos_ids, max_model_len, running = self.eos_ids, self.max_model_len, SeqStatus.RUNNING
         got_token = []
@@ -263,7 +284,16 @@ class Scheduler:
             assert item.start == seq.num_computed, (item, seq)
             seq.num_computed += item.num_new
             register(seq)
+            # A prefill chunk (a decode holds no prompt row) of a request with prompt logprobs:
+            # the engine took its rows' logprobs.
+            if (item.num_new > 1 or not item.sample) and seq.params.prompt_logprobs is not None:
+                seq.prompt_logprob_rows = max(seq.prompt_logprob_rows,
+                                              min(seq.num_computed, seq.num_prompt_tokens - 1))
             if not item.sample:
+                if not seq.generates and seq.num_computed == seq.num_tokens:
+                    got_token.append(seq)
+                    self._release(seq, "length")
+                    finished = True
                 continue
             token = sampled[seq.request_id]
             seq.append_token(token)

@@ -36,6 +36,7 @@ from duoka.models.qwen2.peft import merge_adapter
 from duoka.serve.config import EngineConfig
 from duoka.serve.dummy_weights import fill_random_
 from duoka.serve.params import MAX_LOGPROBS, SamplingParams
+from duoka.serve.prompt_logprobs import PendingPromptLogprobs, PromptRows, launch_prompt_logprobs
 from duoka.serve.quant_load import (
     check_fits,
     check_quantizable,
@@ -57,7 +58,8 @@ from duoka.serve.tp_shard import (
 
 
 class StepRunner(Protocol):
-    """What a Worker needs of its runner: ModelRunner, or a benchmark's stand-in."""
+    """What a Worker needs of its runner: ModelRunner, or a benchmark's stand-in. Prompt
+    logprobs also need ModelRunner's execute_with_hidden and head."""
 
     def execute(self, inputs: StepInputs) -> torch.Tensor: ...
 
@@ -257,6 +259,16 @@ class Worker:
         if self._steps_group is not None:
             broadcast_step(inputs, self._steps_group)
         return self.runner.execute(inputs)
+
+    def execute_with_prompt(self, inputs: StepInputs, prompt: PromptRows) -> tuple[torch.Tensor, PendingPromptLogprobs]:
+        """Rank 0: execute()'s logits, and the prompt logprobs of `prompt`'s rows launched on the
+        device after the forward (the other ranks run the plain forward: the head that scores
+        those rows is whole on every rank, so nothing of it travels)."""
+        if self._steps_group is not None:
+            broadcast_step(inputs, self._steps_group)
+        logits, hidden = self.runner.execute_with_hidden(inputs, prompt.rows)
+        # At most max_num_seqs rows of logits at once: what the profile step measured.
+        return logits, launch_prompt_logprobs(self.runner.head, hidden, prompt, self.config.max_num_seqs)
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRow], masks: TokenMasks | None = None) -> PendingSample:
         """Rank 0: launch the sampling of `logits`, one row per entry of `rows` (masks: the

@@ -50,9 +50,10 @@ ENGINE = dict(device="cpu", max_num_batched_tokens=16, num_kv_blocks=48, block_s
               log=lambda message: None)
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 # The engine on the MoE case's folder: prompts as token ids (its vocabulary is a part of the
-# bundled tokenizer's), greedy, with each token's logprob and the top 2.
+# bundled tokenizer's), greedy, with each token's logprob and the top 2, and each prompt
+# token's (rank 0 scores the prompt rows' hidden states while the others run the plain step).
 MOE_PROMPTS = [[5, 17, 200, 3, 99, 41], [250, 7, 7, 130, 62, 18, 90, 11, 2, 33, 8], [64, 1]]
-WITH_LOGPROBS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+WITH_LOGPROBS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
 
 
 def _args(**shape) -> ModelArgs:
@@ -79,7 +80,8 @@ def _with_tokenizer(folder):
 
 
 def _greedy_logprobs(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[TokenLogprob]]]:
-    """Each prompt's tokens and their logprobs under WITH_LOGPROBS, all requests batched together."""
+    """Each prompt's tokens, and its prompt's logprobs (after the first, None) followed by its
+    tokens' under WITH_LOGPROBS, all requests batched together."""
     engine = llm.engine
     for i, prompt in enumerate(prompts):
         engine.add_request(f"r{i}", prompt, WITH_LOGPROBS)
@@ -87,6 +89,7 @@ def _greedy_logprobs(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int]
     while engine.has_unfinished():
         for out in engine.step():
             outs[out.request_id][0].extend(out.new_token_ids)
+            outs[out.request_id][1].extend((out.prompt_logprobs or [None])[1:])
             outs[out.request_id][1].extend(out.new_logprobs or [])
     return list(outs.values())
 
@@ -272,8 +275,8 @@ def test_a_moe_model_served_at_tp2_gives_the_tokens_and_logprobs_of_one_process(
     want = _greedy_logprobs(LLM(str(folders["moe"]), **ENGINE), MOE_PROMPTS)
     got = ranks[2][0]["moe-engine"]
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in want]
-    for (tokens, mine), (_, theirs) in zip(got, want):
-        assert len(mine) == len(theirs) == len(tokens) == WITH_LOGPROBS.max_tokens
+    for prompt, (tokens, mine), (_, theirs) in zip(MOE_PROMPTS, got, want):
+        assert len(mine) == len(theirs) == len(tokens) + len(prompt) - 1
         for a, b in zip(mine, theirs):
             assert a.token_id == b.token_id and [t for t, _ in a.top] == [t for t, _ in b.top]
             torch.testing.assert_close(torch.tensor([a.logprob, *(v for _, v in a.top)]),

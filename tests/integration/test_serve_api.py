@@ -222,7 +222,9 @@ BAD = [
      "tool_choice required without tools"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"999999": 5}},
      "a logit_bias id beyond the vocabulary"),
-    ("/v1/completions", {"model": MODEL, "prompt": [[1, 2], [3]]}, "batched prompts"),
+    ("/v1/completions", {"model": MODEL, "prompt": [[1, 2], [3, 999_999]]},
+     "a batch of prompts, one with a token id outside the vocabulary"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, "max_tokens 0 without echo"),
     ("/v1/completions", {"model": MODEL, "prompt": [999_999]}, "a token id outside the vocabulary"),
 ]
 

@@ -192,7 +192,7 @@ def test_every_parameter_is_listed_and_the_docs_hold_the_table():
 
 @pytest.mark.parametrize("param", [p for p in PARAMETERS if p.status == REFUSED], ids=lambda p: p.name)
 def test_refused_parameters_get_a_400_naming_them(s, param):
-    values = {"best_of": 3, "echo": True, "suffix": "x", "use_beam_search": True}
+    values = {"best_of": 3, "suffix": "x", "use_beam_search": True}
     path, body = ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 2}) if "chat" not in \
         param.endpoints else ("/v1/chat/completions", chat_body())
     r = s.http.post(path, json={**body, param.name: values[param.name]})

@@ -44,7 +44,9 @@ class Stats:
 class FakeEngine:
     """The contract's LLMEngine surface. Each step every running request gets one token:
     token k of a request is 10 + (sum(prompt) + k) % 50, its text the tokenizer's decode; stop
-    strings cut the text as the real detokenizer does (simplified: no hold-back)."""
+    strings cut the text as the real detokenizer does (simplified: no hold-back). Prompt
+    logprobs (on the first output): prompt token p has logprob -p / 100, its alternatives
+    token + 1, + 2, ... A request of max_tokens 0 ends at its first step without a token."""
 
     def __init__(self, tokenizer, max_running: int = 64, step_s: float = 0.0):
         self.model_name = MODEL
@@ -107,8 +109,14 @@ class FakeEngine:
             r = self.requests[rid]
             params = r["params"]
             k = len(r["out"])
+            prompt_lps = self.prompt_logprobs(r["prompt"], params.prompt_logprobs) if k == 0 else None
             if k == 0:
                 self.prompt_tokens += len(r["prompt"])
+            if params.max_tokens == 0:
+                outputs.append(RequestOutput(rid, [], "", None, True, "length", len(r["prompt"]), 0, 0, prompt_lps))
+                del self.requests[rid]
+                self.order.remove(rid)
+                continue
             script = self.tokenizer.encode(self.scripted, add_special_tokens=False) if self.scripted else None
             tok = script[k] if script else 10 + (sum(r["prompt"]) + k) % 50
             r["out"].append(tok)
@@ -132,11 +140,18 @@ class FakeEngine:
             if params.logprobs is not None:
                 lp = [TokenLogprob(tok, -0.5, [(tok, -0.5), (tok + 1, -1.5), (tok + 2, float("-inf"))][:params.logprobs])]
             outputs.append(RequestOutput(rid, [tok], new_text, lp, reason is not None, reason, len(r["prompt"]),
-                                         len(r["out"]), 0))
+                                         len(r["out"]), 0, prompt_lps))
             if reason is not None:
                 del self.requests[rid]
                 self.order.remove(rid)
         return outputs
+
+    @staticmethod
+    def prompt_logprobs(prompt, k):
+        if k is None:
+            return None
+        return [None] + [TokenLogprob(t, -p / 100, [(t + j, -p / 100 - j) for j in range(k)], 1)
+                         for p, t in enumerate(prompt) if p]
 
     def stats(self):
         running = len(self.running())
@@ -404,8 +419,11 @@ def test_nan_temperature_and_malformed_json(served):
 
 def test_completion_refusals(served):
     s = served()
-    for body, param in [({"prompt": ["a", "b"]}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": [-1]}, "prompt"),
-                        ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "best_of": 2}, "best_of"),
+    for body, param in [({"prompt": ["a", ""]}, "prompt.1"), ({"prompt": ""}, "prompt"), ({"prompt": [-1]}, "prompt"),
+                        ({"prompt": [[1], [2, -1]]}, "prompt.1"), ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+                        ({"prompt": "x", "max_tokens": -1}, "max_tokens"), ({"prompt": "x", "best_of": 2}, "best_of"),
+                        ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
+                        ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
                         ({"prompt": "x", "logprobs": 21}, "logprobs"), ({"prompt": 5}, "prompt")]:
         r = s.client.post("/v1/completions", json=body)
         assert r.status_code == 400, (body, r.text)
@@ -644,9 +662,11 @@ def test_a_token_without_text_is_still_an_event(tokenizer):
     base = {"id": "r", "object": "x", "created": 0, "model": MODEL}
 
     async def events(chat: bool):
-        render = (responder._chat_render if chat else responder._completion_render)(base, 0, False, False)
+        name = responder.token_text
+        render = responder._chat_render(base, 0, False, False, name) if chat else \
+            responder._completion_render(base, 0, False, name, None)
         body = b"".join([e if isinstance(e, bytes) else e.encode()
-                         async for e in responder._events([Outputs(steps)], base, False, [render])])
+                         async for e in responder._events([Outputs(steps)], base, False, [render], 1)])
         return [json.loads(line[6:]) for line in body.decode().split("\n\n") if line.startswith("data: {")]
 
     completion = asyncio.run(events(False))

@@ -170,7 +170,8 @@ def test_logprobs_only_for_rows_that_ask():
 @pytest.mark.parametrize("fields,names", [
     ({"temperature": float("nan")}, "temperature=nan"), ({"temperature": -0.1}, "temperature=-0.1"),
     ({"top_p": 0}, "(0, 1]"), ({"top_p": 1.5}, "(0, 1]"), ({"top_k": -2}, "top_k=-2"),
-    ({"max_tokens": 0}, "max_tokens=0"), ({"logprobs": 21}, "[0, 20]"), ({"logprobs": -1}, "logprobs=-1"),
+    ({"max_tokens": -1}, "max_tokens=-1"), ({"logprobs": 21}, "[0, 20]"), ({"logprobs": -1}, "logprobs=-1"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs=21"),
     ({"presence_penalty": 2.5}, "[-2, 2]"), ({"frequency_penalty": float("nan")}, "frequency_penalty=nan"),
     ({"stop": ["ok", ""]}, "empty string"), ({"stop": ["s"] * 17}, "at most 16"),
     ({"stop_token_ids": [-1]}, "negative"), ({"seed": 2**64}, "seed="), ({"max_tokens": 1.5}, "max_tokens=1.5"),

@@ -52,7 +52,7 @@ class FakeModel:
                 # a shared or cached block is never written: others read it
                 assert self.bm.ref_counts[block] == 1 and self.bm.hash_of[block] is None, (seq, pos)
                 self.slots[self.slot(seq, pos)] = seq.all_ids[pos]
-            assert item.sample == (item.start + item.num_new == seq.num_tokens)
+            assert item.sample == (item.start + item.num_new == seq.num_tokens and seq.params.max_tokens > 0)
             if item.sample:
                 sampled[seq.request_id] = self.token_fn(seq.num_tokens)
         return sampled
@@ -167,6 +167,26 @@ def test_prefix_cache_hit_counts_tokens_and_computes_the_last_prompt_token():
     run(sched, model)
     for seq in (a, c, d):
         assert seq.output_ids == expected_output(seq.num_prompt_tokens, 3)
+
+
+def test_prompt_rows_owed_are_computed_not_read_from_the_cache():
+    """A request that wants prompt logprobs computes every prompt row not yet scored, cached or
+    not; max_tokens 0 samples nothing and finishes with its prompt; a recompute (preemption)
+    reads from the cache only the rows already scored."""
+    sched, model = make(block_size=4)
+    sched.add(Sequence("plain", prompt(13), SamplingParams(max_tokens=1)))
+    run(sched, model)  # its 3 full blocks are cached
+    scored = Sequence("scored", prompt(13), SamplingParams(max_tokens=0, prompt_logprobs=1))
+    sched.add(scored)
+    items = [(i.start, i.num_new, i.sample) for b in run(sched, model) for i in b.items]
+    assert items == [(0, 13, False)] and scored.num_cached_tokens == 0
+    assert (scored.finish_reason, scored.output_ids, scored.prompt_logprob_rows) == ("length", [], 12)
+    again = Sequence("again", prompt(13), SamplingParams(max_tokens=2, prompt_logprobs=0))
+    again.prompt_logprob_rows = 9  # rows 0..8 scored before a preemption: two blocks may come from the cache
+    sched.add(again)
+    items = [(i.start, i.num_new, i.sample) for b in run(sched, model) for i in b.items]
+    assert items[0] == (8, 5, True) and again.prompt_logprob_rows == 12
+    assert again.output_ids == expected_output(13, 2)
 
 
 def test_equal_blocks_after_different_prefixes_do_not_match():

@@ -238,6 +238,12 @@ class Attention(nn.Module):
             return self.wo(paged_attention(q, k, v, mask))
         if isinstance(mask, ContextMask):  # every cp rank's keys and values, this rank's queries
             k, v = mask.gather(k), mask.gather(v)
+            if gqa and q.is_cuda:
+                # The CUDA kernels that take a mask do not take grouped heads (flash takes no
+                # mask, memory-efficient no GQA; the fallback would keep every score): repeat
+                # the KV heads instead: the whole sequence's keys and values at the query heads' count.
+                repeat = q.shape[1] // k.shape[1]
+                k, v, gqa = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1), False
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.allowed, enable_gqa=gqa)
             return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
         if mask is None:  # plain causal attention: the fused kernels' fast path
@@ -453,7 +459,8 @@ class Qwen2(nn.Module):
         duoka.data.dataset.document_layout). cu_seqlens: document_starts(document_ids)
         precomputed, for the varlen backend. paged: a serving step (duoka.models.qwen2.paged):
         tokens [1, T] with their context positions [T]; returns the logits [S, vocab] of the
-        rows paged.logits_indices only, so a long prefill never materialises T x vocab.
+        rows paged.logits_indices only, so a long prefill never materialises T x vocab; with
+        paged.hidden_indices, (those logits, the final hidden states [P, dim] of those rows).
         context: under context parallelism the group the sequence is split over; tokens,
         positions, labels and document_ids are then this rank's chunks (context_parallel.py)."""
         h = self.tok_embeddings(tokens) if self.takes_tokens else tokens
@@ -469,7 +476,10 @@ class Qwen2(nn.Module):
             mask = document_mask(document_ids, self.options.document_masking, cu_seqlens)
         h, routing = self._layers(h, rope, mask)
         aux = self.router_aux_loss(routing) if labels is not None or with_router_aux else None
+        hidden = None
         if paged is not None and self.norm is not None:
+            if paged.hidden_indices is not None:
+                hidden = self.norm(h[0, paged.hidden_indices])
             h = h[0, paged.logits_indices]
         if self.norm is not None:
             h = self.norm(h)
@@ -477,6 +487,8 @@ class Qwen2(nn.Module):
             loss = chunked_cross_entropy(h, self.output.weight, labels, compiled=self.options.compile_loss)
             return loss if aux is None else loss + aux * (labels != IGNORE_INDEX).sum()
         out = self.output(h) if self.output is not None else h
+        if hidden is not None:
+            return out, hidden
         if with_router_aux:
             return out, aux if aux is not None else torch.zeros((), device=h.device)
         return out

@@ -53,6 +53,10 @@ class PagedBatch:
     # a compiled graph that read the integers would specialise on their values. Made once per
     # step (for_layer's copies share it).
     sizes: torch.Tensor | None = None
+    # int64 [P]: rows whose final hidden states (after the norm) the forward returns beside the
+    # logits, for a head run slice by slice outside it (prompt logprobs: a long prefill chunk
+    # would otherwise materialise P x vocab). None: logits only.
+    hidden_indices: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.sizes is None:

@@ -1,0 +1,216 @@
+"""Issue 48's figure: a multiple-choice eval through EleutherAI's lm-evaluation-harness, scored by
+`duoka serve` (lm-eval's `local-completions`: batched lists of token-id prompts with echo and
+logprobs, several requests in flight) against lm-eval's own `hf` backend (batch_size=auto) on
+the same GPU and model folder: loglikelihood requests per second on each side, the accuracy
+of each (the same, up to near-ties that bf16 may flip: counted), and every request's
+loglikelihood side by side (the largest difference).
+
+The eval is made here, offline: QUESTIONS questions, each a context of about CONTEXT_CHARS
+characters of the bundled corpus (a few hundred tokens) and four choices of CHOICE_CHARS
+characters (multi-token), as a local JSONL file and task YAML (lm-eval's `dataset_path: json`).
+lm-eval sends each choice as its own request: context + choice, the four sharing the context.
+duoka computes a request that asks for prompt logprobs whole, without the prefix cache (the
+cache keeps keys and values, not the logits of the cached rows): the context is computed four
+times, as the hf backend does. Issue 48's target (4x the hf backend, "what the prefix cache is
+for") needs the context shared: each cached block's rows' top-k kept with the block and the
+context's last row computed again (docs/serving.md, "Evaluating a served model"); this script
+measures what there is, and will measure that.
+
+GPU (later session; not run yet):
+
+    PYTHONPATH=$PWD python3 bench/serve_lm_eval.py --shape 7b --questions 2000 --out $OUT/serve_lm_eval_7b.json
+
+on nvidia-h100-x1 (or nvidia-h200), with a random Qwen2-7B (bench/serve_models.py; pass --model
+FOLDER for real weights, which the device machine cannot download). The device image lacks
+lm-eval: carry .wheels holding `pip download --no-deps "lm-eval==0.4.13" datasets dill
+sacrebleu tenacity aiohttp more_itertools sqlitedict word2number portalocker tabulate colorama
+lxml` (and whatever of their dependencies the image lacks; `python -c "import lm_eval.evaluator,
+lm_eval.models.huggingface, lm_eval.models.openai_completions"` says) and install them with
+`pip install --no-index --no-deps .wheels/*.whl`; scikit-learn, scipy and nltk are not
+imported by these tasks.
+
+CPU smoke check (the bundled tiny model in fp32; about 20 s on 2 cores):
+
+    PYTHONPATH=$PWD python3 bench/serve_lm_eval.py --shape tiny --questions 24 --hf-batch-size 8 \\
+        --out /tmp/serve_lm_eval_tiny.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import random
+import re
+import sys
+import time
+from pathlib import Path
+
+import httpx2 as httpx
+import lm_eval
+import torch
+from lm_eval.models.huggingface import HFLM
+from lm_eval.models.openai_completions import LocalCompletionsAPI
+from lm_eval.tasks import TaskManager
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve_models import make_folder  # noqa: E402
+
+from duoka.bench.serving import StartedServer  # noqa: E402
+from duoka.hub import bundled_model_dir  # noqa: E402
+
+TASK = "duoka_mc_bench"
+# A few hundred tokens of context (Qwen2's tokenizer: ~4 characters a token of English prose).
+CONTEXT_CHARS = 1200
+# Multi-token choices: ~15 tokens each.
+CHOICE_CHARS = 60
+CORPUS = Path(__file__).resolve().parents[1] / "duoka" / "assets" / "corpus" / "stdlib_docstrings.jsonl.gz"
+START_TIMEOUT_S = 900  # a 7B folder of random weights loads and profiles in a minute or two
+TASK_YAML = """task: {task}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{context}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+target_delimiter: " "
+metric_list:
+  - metric: acc
+"""
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def make_task(folder: Path, questions: int, seed: int = 0) -> Path:
+    """The eval's JSONL and task YAML in `folder`; returns it (lm-eval's include_path)."""
+    with gzip.open(CORPUS, "rt", encoding="utf-8") as f:
+        texts = [re.sub(r"\s+", " ", json.loads(line)["text"]).strip() for line in f]
+    prose = " ".join(texts)
+    rng = random.Random(seed)
+
+    def piece(chars: int) -> str:
+        start = rng.randrange(0, len(prose) - chars)
+        return prose[start:start + chars].strip()
+
+    folder.mkdir(parents=True, exist_ok=True)
+    data = folder / f"{TASK}.jsonl"
+    with open(data, "w", encoding="utf-8") as f:
+        for _ in range(questions):
+            row = {"context": piece(CONTEXT_CHARS), "choices": [piece(CHOICE_CHARS) for _ in range(4)],
+                   "answer": rng.randrange(4)}
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    (folder / f"{TASK}.yaml").write_text(TASK_YAML.format(task=TASK, data=data), encoding="utf-8")
+    return folder
+
+
+def evaluate(lm, tasks: Path) -> tuple[float, dict]:
+    """(seconds, results) of one lm-eval run of TASK with an already built model."""
+    manager = TaskManager(include_path=str(tasks), include_defaults=False)
+    t0 = time.perf_counter()
+    results = lm_eval.simple_evaluate(model=lm, tasks=[TASK], task_manager=manager, log_samples=True)
+    return time.perf_counter() - t0, results
+
+
+def loglikelihoods(results: dict) -> list[list[float]]:
+    """Per document, in document order, its four choices' loglikelihoods."""
+    samples = sorted(results["samples"][TASK], key=lambda s: s["doc_id"])
+    return [[float(r[0][0]) for r in s["resps"]] for s in samples]
+
+
+def run_hf(folder: Path, tasks: Path, dtype: str, batch_size: str, device: str) -> dict:
+    lm = HFLM(pretrained=str(folder), dtype=dtype, batch_size=batch_size, device=device)
+    seconds, results = evaluate(lm, tasks)
+    side = {"seconds": seconds, "acc": results["results"][TASK]["acc,none"], "batch_size": batch_size,
+            "loglikelihoods": loglikelihoods(results)}
+    del lm
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the server is next on this GPU
+    return side
+
+
+def prompt_tokens_computed(url: str) -> float | None:
+    """duoka_serve_prompt_tokens_total from the server's /metrics (prefix-cache hits excluded)."""
+    text = httpx.get(url + "/metrics", timeout=30, trust_env=False).text
+    found = re.search(r"^duoka_serve_prompt_tokens_total\{[^}]*\} (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else None
+
+
+def run_duoka(folder: Path, tasks: Path, serve_args: list[str], batch_size: int, concurrent: int) -> dict:
+    server = StartedServer(str(folder), ["--served-model-name", "model", *serve_args], START_TIMEOUT_S, log)
+    try:
+        before = prompt_tokens_computed(server.url)
+        lm = LocalCompletionsAPI(model="model", base_url=server.url + "/v1/completions", tokenizer=str(folder),
+                                 tokenizer_backend="huggingface", batch_size=batch_size, num_concurrent=concurrent,
+                                 max_length=4096, timeout=3600)
+        seconds, results = evaluate(lm, tasks)
+        server.check_alive()
+        after = prompt_tokens_computed(server.url)
+    finally:
+        server.stop()
+    return {"seconds": seconds, "acc": results["results"][TASK]["acc,none"], "batch_size": batch_size,
+            "num_concurrent": concurrent, "serve_args": serve_args,
+            "prompt_tokens_computed": None if before is None or after is None else after - before,
+            "loglikelihoods": loglikelihoods(results)}
+
+
+def compare(duoka: dict, hf: dict, questions: int) -> dict:
+    a, b = duoka.pop("loglikelihoods"), hf.pop("loglikelihoods")
+    diffs = [abs(x - y) for da, db in zip(a, b) for x, y in zip(da, db)]
+    picks = sum(max(range(4), key=da.__getitem__) != max(range(4), key=db.__getitem__) for da, db in zip(a, b))
+    requests = 4 * questions
+    for side in (duoka, hf):
+        side["requests_per_s"] = requests / side["seconds"]
+    return {"requests": requests, "max_abs_loglikelihood_diff": max(diffs),
+            "mean_abs_loglikelihood_diff": sum(diffs) / len(diffs), "questions_answered_differently": picks,
+            "speedup": hf["seconds"] / duoka["seconds"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", default="7b", help="a bench/serve_models.py shape (random weights), or tiny: the "
+                                                 "bundled model")
+    p.add_argument("--model", help="a model folder instead of --shape's")
+    p.add_argument("--questions", type=int, default=2000)
+    p.add_argument("--dtype", help="both sides' dtype (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--hf-batch-size", default="auto", help="lm-eval's hf backend batch size (auto: its search)")
+    p.add_argument("--batch-size", type=int, default=16, help="prompts per request to duoka serve")
+    p.add_argument("--num-concurrent", type=int, default=16, help="requests in flight to duoka serve")
+    p.add_argument("--serve-arg", action="append", default=[], help="extra `duoka serve` flag (repeatable)")
+    p.add_argument("--work", default="/tmp/duoka-lm-eval", help="where the task files go")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    if args.model:
+        folder = Path(args.model)
+    else:
+        folder = bundled_model_dir() if args.shape == "tiny" else make_folder(args.shape)
+    tasks = make_task(Path(args.work) / f"tasks-{args.questions}", args.questions)
+
+    log(f"lm-eval {lm_eval.__version__}: {args.questions} questions on {folder} ({dtype}, {device})")
+    hf = run_hf(folder, tasks, dtype, args.hf_batch_size, device)
+    log(f"hf backend: {hf['seconds']:.1f} s, acc {hf['acc']:.4f}")
+    serve_args = ["--dtype", dtype, "--device", device, *args.serve_arg]
+    duoka = run_duoka(folder, tasks, serve_args, args.batch_size, args.num_concurrent)
+    log(f"duoka serve: {duoka['seconds']:.1f} s, acc {duoka['acc']:.4f}")
+    result = {"model": str(folder), "shape": None if args.model else args.shape, "questions": args.questions,
+              "dtype": dtype, "device": torch.cuda.get_device_name() if cuda else "cpu",
+              "torch": torch.__version__, "lm_eval": lm_eval.__version__,
+              "command": " ".join(["python3", "bench/serve_lm_eval.py", *sys.argv[1:]]),
+              **compare(duoka, hf, args.questions), "duoka": duoka, "hf": hf}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("duoka", "hf")}, indent=1))
+    print(f"duoka {duoka['requests_per_s']:.1f} req/s (acc {duoka['acc']:.4f}), hf {hf['requests_per_s']:.1f} req/s "
+          f"(acc {hf['acc']:.4f}): {result['speedup']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Prompt logprobs (SamplingParams.prompt_logprobs; the API's `echo` with `logprobs`, and
+vLLM's `prompt_logprobs`): each prompt token's logprob after the tokens before it, and the
+most likely tokens at its place, read from the prefill's own logits.
+
+Row p of a sequence's prefill (the logits after its token p) scores token p + 1, so an n-token
+prompt has rows 0..n-2 to read, and they are read as the prefill computes them, chunk by
+chunk: no second forward. The forward hands back those rows' final hidden states
+(PagedBatch.hidden_indices) and the head runs on them here, max_rows rows at a time: fp32
+log-softmax, the prompt token's logprob and rank, the top k. What comes back to the host is
+2 + 2k numbers a row, never a row of the vocabulary, so a 32K-token prompt's answer stays
+small; on GPU at most max_rows rows of logits exist at once, as many as the profile step had.
+
+Rows are counted on the Sequence (prompt_logprob_rows): a preempted request's recompute does
+not repeat them, and the prefix cache serves such a request only the rows already out
+(Sequence.cache_limit). So a prompt whose prefix sits in the cache is computed again, whole:
+the cache holds keys and values, not the logits these rows need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from duoka.serve.params import TokenLogprob
+from duoka.serve.sampling import HostCopy, to_device
+from duoka.serve.scheduler import ScheduledItem, Sequence
+
+
+@dataclass(frozen=True)
+class PromptSpan:
+    """Prompt rows first .. first + count - 1 of seq, computed in this step."""
+    seq: Sequence
+    first: int
+    count: int
+
+
+@dataclass(frozen=True)
+class PromptRows:
+    """The rows of one step whose prompt logprobs are wanted, span after span."""
+    rows: torch.Tensor
+    """int64 [P]: indices into the step's tokens (StepInputs.token_ids)."""
+    targets: torch.Tensor
+    """int64 [P]: the prompt token each row scores."""
+    top_k: int
+    """The most alternatives any span asks for."""
+    spans: tuple[PromptSpan, ...]
+
+
+def prompt_rows(items: list[ScheduledItem]) -> PromptRows | None:
+    """The prompt rows of a step's items (in the order of its tokens: decode_first's), each
+    row once over the request's life (seq.prompt_logprob_rows are out already); None when no
+    item has any."""
+    rows, targets, spans = [], [], []
+    offset = 0  # the item's first token among the step's
+    for item in items:
+        seq = item.seq
+        # A one-token item that samples is a decode: its row scores a generated token.
+        if (item.num_new > 1 or not item.sample) and seq.params.prompt_logprobs is not None:
+            first = max(item.start, seq.prompt_logprob_rows)
+            end = min(item.start + item.num_new, seq.num_prompt_tokens - 1)
+            if end > first:
+                rows.append(np.arange(offset + first - item.start, offset + end - item.start))
+                targets.append(np.asarray(seq.prompt_ids[first + 1:end + 1], dtype=np.int64))
+                spans.append(PromptSpan(seq, first, end - first))
+        offset += item.num_new
+    if not spans:
+        return None
+    return PromptRows(torch.from_numpy(np.concatenate(rows)), torch.from_numpy(np.concatenate(targets)),
+                      max(span.seq.params.prompt_logprobs for span in spans), tuple(spans))
+
+
+class PendingPromptLogprobs:
+    """A step's prompt logprobs, computed and copied to the host behind the device's work."""
+
+    def __init__(self, packed: torch.Tensor, prompt: PromptRows):
+        self.prompt = prompt
+        self.copy = HostCopy(packed)
+
+    def result(self) -> list[tuple[PromptSpan, list[TokenLogprob]]]:
+        """Each span with its rows' entries: the prompt token, its logprob and rank, and the
+        span's own k alternatives."""
+        host = self.copy.values()
+        prompt, k = self.prompt, self.prompt.top_k
+        n = len(host) // (2 + 2 * k)
+        values, ids = host[2 * n:2 * n + n * k], host[2 * n + n * k:]
+        targets = prompt.targets.tolist()
+        out, row = [], 0
+        for span in prompt.spans:
+            want = span.seq.params.prompt_logprobs
+            entries = []
+            for r in range(row, row + span.count):
+                top = slice(r * k, r * k + want)
+                entries.append(TokenLogprob(targets[r], host[r], [(int(t), v) for t, v in zip(ids[top], values[top])],
+                                            int(host[n + r])))
+            out.append((span, entries))
+            row += span.count
+        return out
+
+
+@torch.inference_mode()
+def launch_prompt_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, prompt: PromptRows,
+                           max_rows: int) -> PendingPromptLogprobs:
+    """hidden [P, dim]: the rows' final hidden states; head: hidden -> fp32 logits. Queued on
+    the device without waiting: [logprob P][rank P][top values P x k][top ids P x k], as fp64
+    (token ids are exact in it)."""
+    targets = to_device(prompt.targets, hidden.device)
+    k = prompt.top_k
+    logprobs, ranks, top_values, top_ids = [], [], [], []
+    for start in range(0, len(hidden), max_rows):
+        logits = head(hidden[start:start + max_rows])
+        norm = torch.logsumexp(logits, dim=-1, keepdim=True)
+        target = logits.gather(1, targets[start:start + max_rows, None])
+        logprobs.append((target - norm)[:, 0])
+        ranks.append((logits > target).sum(dim=-1) + 1)  # vLLM's rank: 1 + the tokens more likely
+        if k:
+            values, ids = logits.topk(k, dim=-1)  # sorted, most likely first
+            top_values.append((values - norm).flatten())
+            top_ids.append(ids.flatten())
+        del logits
+    packed = torch.cat([torch.cat(part).double() for part in (logprobs, ranks, top_values, top_ids) if part])
+    return PendingPromptLogprobs(packed, prompt)
