@@ -20,9 +20,10 @@ import hashlib
 import json
 import os
 import re
+import stat
 import zlib
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -44,6 +45,8 @@ def corpus_files(path: Path, suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> list[
     names = ", ".join(suffixes)
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.name.endswith(suffixes))
+        for f in files:
+            _refuse_special(f)
         if not files and any(path.glob("shard-*.npy")):
             raise DuokaError(f"{path} holds `duoka prepare` shards but no {MANIFEST} (an interrupted prepare?)",
                              PREPARE_AGAIN)
@@ -51,12 +54,31 @@ def corpus_files(path: Path, suffixes: tuple[str, ...] = TEXT_SUFFIXES) -> list[
             raise DuokaError(f"data folder {path} has no {names} files",
                              "point data.path at a file or a folder of such files")
         return files
+    _refuse_special(path)
     if not path.is_file():
         raise DuokaError(f"data.path {path} does not exist", f"pass a file ({names}) or a folder of them")
     if not path.name.endswith(suffixes):
         raise DuokaError(f"data.path {path} is not one of {names}",
                          "convert it to JSONL with one {\"text\": ...} object per line")
     return [path]
+
+
+_SPECIAL_FILES = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                  (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def _refuse_special(path: Path) -> None:
+    """A data path that exists but is no regular file (a FIFO, /dev/zero) is named as what it
+    is: data is read more than once (tokenized, counted, keyed by size), which a stream cannot
+    give, and /dev/zero would be read for ever."""
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return  # missing: the caller says so
+    for test, what in _SPECIAL_FILES:
+        if test(mode):
+            raise DuokaError(f"data.path {path} is {what}, not a regular file",
+                             "save the data to a file first (e.g. `cat STREAM > data.jsonl`) and pass that file")
 
 
 class Skipped:
@@ -81,9 +103,10 @@ _NOT_UTF8 = re.compile("[\udc80-\udcff]")  # what surrogateescape makes of each 
 
 
 def iter_lines(path: Path, on_bad: Callable[[str], None] | None = None) -> Iterator[tuple[int, str]]:
-    """(line number, text) of each line of a UTF-8 text file, .gz decompressed, with Python's
-    universal newlines. A binary file is an error naming it. A line that is not UTF-8 is an
-    error naming file:line, or, given `on_bad`, passed to it as "file:line: reason" and left out."""
+    """(line number, text) of each line of a UTF-8 text file (a byte-order mark at its start
+    left out), .gz decompressed, with Python's universal newlines. A binary file is an error
+    naming it. A line that is not UTF-8 is an error naming file:line, or, given `on_bad`,
+    passed to it as "file:line: reason" and left out."""
     opener = gzip.open if path.name.endswith(".gz") else open
     try:
         with opener(path, "rb") as f:
@@ -95,7 +118,8 @@ def iter_lines(path: Path, on_bad: Callable[[str], None] | None = None) -> Itera
                              "(iconv -t UTF-8 for another text encoding)")
         # surrogateescape: a bad byte costs its line only, not the rest of the file, and the
         # line number stays exact (a strict decoder fails on a whole buffered block).
-        with opener(path, "rt", encoding="utf-8", errors="surrogateescape") as f:
+        # utf-8-sig: a byte-order mark at the start (Windows tools write one) is not part of the text.
+        with opener(path, "rt", encoding="utf-8-sig", errors="surrogateescape") as f:
             for lineno, line in enumerate(f, start=1):
                 bad = _NOT_UTF8.search(line)
                 if bad is not None:
@@ -209,19 +233,7 @@ def tokenize_corpus(path: Path, tokenizer, text_field: str = "text") -> Path:
     if out.is_file() and _readable(out):  # a damaged cache is rebuilt, not trusted
         return out
 
-    chunks, batch = [], []
-
-    def flush():
-        for ids in tokenizer.encode_batch(batch, add_special_tokens=False):
-            chunks.append(np.asarray(ids + [eot], dtype=np.uint32))
-        batch.clear()
-
-    for f in files:
-        for doc in iter_documents(f, text_field):
-            batch.append(doc)
-            if len(batch) >= 1024:
-                flush()
-    flush()
+    chunks = list(token_arrays(tokenizer, (doc for f in files for doc in iter_documents(f, text_field)), eot))
     if not chunks:
         raise DuokaError(f"data.path {path} holds no documents", "check the files and data.text_field")
     tokens = np.concatenate(chunks)
@@ -230,6 +242,62 @@ def tokenize_corpus(path: Path, tokenizer, text_field: str = "text") -> Path:
     np.save(tmp, tokens)
     os.replace(tmp, out)  # atomic: concurrent launchers never read a half-written cache
     return out
+
+
+# A document longer than this is tokenized in pieces of at most this many characters: the
+# tokenizer holds ~200 bytes a character of what it encodes (a 40 MB line took 6.3 GiB whole),
+# so its memory then follows the piece (~50 MB), not the line. Pieces are cut before a space that
+# starts a word, where Qwen2's pre-tokenizer splits anyway: the tokens are those of the whole.
+PIECE_CHARS = 1 << 18
+# Characters encoded per encode_batch call (with at most BATCH_DOCUMENTS documents): the
+# encodings of a batch are held together, ~200 MB for 1 Mi characters.
+BATCH_CHARS = 1 << 20
+BATCH_DOCUMENTS = 1024
+
+
+def text_pieces(text: str) -> Iterator[str]:
+    """`text` in pieces of at most PIECE_CHARS characters, each cut before a single space that
+    follows and precedes other characters (a boundary of Qwen2's pre-tokenizer); a stretch of
+    half a piece without one is cut where the piece ends."""
+    start = 0
+    while len(text) - start > PIECE_CHARS:
+        end = cut = start + PIECE_CHARS
+        at = text.rfind(" ", start + PIECE_CHARS // 2, end)
+        while at > 0:
+            if not text[at - 1].isspace() and not text[at + 1].isspace():
+                cut = at
+                break
+            at = text.rfind(" ", start + PIECE_CHARS // 2, at)
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
+
+
+def token_arrays(tokenizer, documents: Iterable[str], eot: int) -> Iterator[np.ndarray]:
+    """The uint32 ids of each document, then `eot`, in bounded batches (a long document in
+    pieces, text_pieces): the memory this takes does not grow with a document's length."""
+    batch: list[str] = []
+    chars = 0
+
+    def flush() -> Iterator[np.ndarray]:
+        nonlocal chars
+        for ids in tokenizer.encode_batch(batch, add_special_tokens=False):
+            yield np.asarray(ids + [eot], dtype=np.uint32)
+        batch.clear()
+        chars = 0
+
+    for doc in documents:
+        if len(doc) > PIECE_CHARS:
+            yield from flush()
+            for piece in text_pieces(doc):
+                yield np.asarray(tokenizer.encode_batch([piece], add_special_tokens=False)[0], dtype=np.uint32)
+            yield np.asarray([eot], dtype=np.uint32)
+            continue
+        batch.append(doc)
+        chars += len(doc)
+        if len(batch) >= BATCH_DOCUMENTS or chars >= BATCH_CHARS:
+            yield from flush()
+    yield from flush()
 
 
 def read_manifest(folder: Path) -> dict:

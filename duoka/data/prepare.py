@@ -35,6 +35,7 @@ from duoka.data.dataset import (
     iter_documents,
     open_tokens,
     read_manifest,
+    token_arrays,
 )
 from duoka.data.tokenizer import Tokenizer
 from duoka.errors import DuokaError
@@ -76,21 +77,16 @@ def _init_worker(tokenizer_dir: str) -> None:
 
 
 def _tokenize_file(source: str, shard: str, text_field: str, eot: int, tokenizer: str) -> dict:
-    tok = _worker_tokenizer
     skipped = Skipped()
-    chunks, batch, docs = [], [], 0
+    docs = 0
 
-    def flush():
-        for ids in tok.encode_batch(batch, add_special_tokens=False):
-            chunks.append(np.asarray(ids + [eot], dtype=np.uint32))
-        batch.clear()
+    def counted():
+        nonlocal docs
+        for doc in _documents(Path(source), text_field, skipped):
+            docs += 1
+            yield doc
 
-    for doc in _documents(Path(source), text_field, skipped):
-        batch.append(doc)
-        docs += 1
-        if len(batch) >= 1024:
-            flush()
-    flush()
+    chunks = list(token_arrays(_worker_tokenizer, counted(), eot))
     tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint32)
     shard_path = Path(shard)
     tmp = shard_path.with_name(shard_path.name + f".{os.getpid()}.tmp.npy")

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from duoka.data.dataset import _cache_dir, cache_key, corpus_files, end_of_text_id, iter_jsonl
+from duoka.data.tokenizer import PREFIX_CHARS_PER_TOKEN
 from duoka.errors import DuokaError
 
 
@@ -59,12 +60,32 @@ def assistant_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[in
     return text, spans
 
 
-def encode_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """Token ids and a 0/1 target flag per token."""
+def encode_conversation(tokenizer, messages: list[dict], max_tokens: int | None = None) -> tuple[list[int], list[int]]:
+    """Token ids and a 0/1 target flag per token; given max_tokens, a conversation far longer
+    is encoded only as far as a prefix of more than that many tokens (it is cut there anyway)."""
     text, spans = assistant_spans(tokenizer, messages)
-    ids, offsets = tokenizer.encode_with_offsets(text)
+    ids, offsets = _encode_bounded(tokenizer, text, max_tokens)
     keep = [int(any(a < end and b > start for start, end in spans)) for a, b in offsets]
     return ids, keep
+
+
+# Tokens past max_tokens that a prefix must give before it stands for the whole text: its last
+# few tokens may differ from the whole text's, where the prefix was cut.
+PREFIX_MARGIN = 8
+
+
+def _encode_bounded(tokenizer, text: str, max_tokens: int | None) -> tuple[list[int], list]:
+    """encode_with_offsets of `text`, or of a prefix cut before a space when that already holds
+    more than max_tokens + PREFIX_MARGIN tokens: the tokenizer holds ~200 bytes a character of
+    what it encodes, so a conversation of a huge line would otherwise cost gigabytes."""
+    cut = (max_tokens + PREFIX_MARGIN + 2) * PREFIX_CHARS_PER_TOKEN if max_tokens is not None else len(text)
+    if len(text) > cut:
+        end = text.rfind(" ", 0, cut)
+        if end > 0:
+            ids, offsets = tokenizer.encode_with_offsets(text[:end])
+            if len(ids) > max_tokens + PREFIX_MARGIN:
+                return ids, offsets
+    return tokenizer.encode_with_offsets(text)
 
 
 # The roles chat templates know (Qwen2's ChatML, OpenAI's, Llama 3's ipython). Any other is
@@ -123,7 +144,7 @@ def prepare_sft(path: Path, tokenizer, seq_len: int, field: str = "messages", ov
         for where, messages in iter_conversations(f, field):
             stats.conversations += 1
             try:
-                ids, keep = encode_conversation(tokenizer, messages)
+                ids, keep = encode_conversation(tokenizer, messages, width)
             except DuokaError as e:  # the template's complaint, located
                 raise DuokaError(f"{where}: {e.cause}", e.fix) from None
             ids, keep = ids + [eot], keep + [0]  # the separator is never a target

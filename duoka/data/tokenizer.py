@@ -7,20 +7,19 @@ folder (tests/unit/test_tokenizer.py checks it), without importing transformers:
 - the chat template comes from chat_template.jinja (what transformers >= 4.50 writes) or
   else from tokenizer_config.json's chat_template, and is rendered in the same sandboxed
   jinja2 environment transformers uses (trim_blocks, lstrip_blocks, its tojson,
-  raise_exception, strftime_now and the {% generation %} tag).
+  raise_exception, strftime_now and the {% generation %} tag), within limits on its size,
+  loops and time: a template is untrusted code (duoka.data.chat_template).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from contextlib import contextmanager
-from contextvars import ContextVar
-from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from duoka.data.chat_template import render
 from duoka.errors import DuokaError
 from duoka.hub import resolve_model_dir
 
@@ -35,6 +34,24 @@ GIL_FREE_CHARS = 1 << 14
 # averages ~4 per Qwen2 token, so a text that needs more tokens than allowed within 16
 # characters per token is found without reading the rest.
 PREFIX_CHARS_PER_TOKEN = 16
+
+
+# Rows of a model's embedding beyond its tokenizer's ids that are padding, not a mismatch: models
+# round their vocabulary up for fast matmuls and room for added tokens (Qwen2's 151,936 rows hold
+# 151,665 ids, 7B's 152,064). A gap within this, or within 1% of the rows, draws no warning.
+VOCAB_PADDING = 1024
+# A conversation every chat template renders: a template that fails on it is refused at load.
+TEST_CONVERSATION = ({"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hello! How can I help?"},
+                     {"role": "user", "content": "Say something."})
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    """transformers passes a message's reasoning under each name templates read."""
+    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is None:
+        return dict(message)
+    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def _token_text(value: Any) -> str | None:
@@ -84,7 +101,9 @@ class Tokenizer:
     def _find_chat_template(self) -> str | None:
         jinja_file = self.folder / "chat_template.jinja"
         if jinja_file.is_file():
+            self.chat_template_origin = str(jinja_file)
             return jinja_file.read_text(encoding="utf-8")
+        self.chat_template_origin = f"{self.folder / 'tokenizer_config.json'}'s chat_template"
         template = self.config.get("chat_template")
         if isinstance(template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
             named = {t["name"]: t["template"] for t in template}
@@ -155,6 +174,22 @@ class Tokenizer:
         if self.eos_id is not None:
             ids.add(self.eos_id)
         return ids
+
+    def warnings(self, model_vocab_size: int) -> list[str]:
+        """What is wrong with this tokenizer for a model of `model_vocab_size` rows, said at load:
+        ids the model can produce that decode to nothing, an eos_token that is not a token."""
+        out = []
+        gap = model_vocab_size - self.vocab_size
+        if gap > max(VOCAB_PADDING, model_vocab_size // 100):
+            out.append(f"the tokenizer in {self.folder} has {self.vocab_size:,} ids but the model "
+                       f"{model_vocab_size:,}: the {gap:,} ids above decode to empty text (a tokenizer from another "
+                       "model?)")
+        eos = self.special_tokens.get("eos_token")
+        if eos is not None and self.eos_id is None:
+            out.append(f"the eos_token {eos!r} of {self.folder / 'tokenizer_config.json'} is not in the vocabulary: "
+                       "generation stops only at the eos ids of generation_config.json or config.json, a stop string "
+                       "or max_tokens")
+        return out
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) < GIL_FREE_CHARS:
@@ -228,95 +263,16 @@ class Tokenizer:
         if template is None:
             raise DuokaError(f"{self.folder} has no chat template (no chat_template.jinja, none in tokenizer_config.json)",
                              "use a chat/instruct model's tokenizer, or drop --chat and pass plain text")
-        import jinja2
+        origin = self.chat_template_origin if chat_template is None else "the chat_template given"
+        variables = {**self.special_tokens, **kwargs, "messages": [_alias_reasoning(m) for m in messages],
+                     "tools": tools, "documents": documents, "add_generation_prompt": add_generation_prompt}
+        return render(template, origin, variables, given=(messages, tools, documents, kwargs))
 
-        compiled = _compile_template(template)
-        context = {**self.special_tokens, **kwargs}
-        spans: list[tuple[int, int]] = []
-        blocks: list[str] = []
-        try:
-            # generate() yields output in order, so a {% generation %} block knows its
-            # start offset from what was yielded before it (as transformers does).
-            with _track_generation((blocks, spans)):
-                for block in compiled.generate(messages=[_alias_reasoning(m) for m in messages], tools=tools,
-                                               documents=documents, add_generation_prompt=add_generation_prompt,
-                                               **context):
-                    blocks.append(block)
-        except (jinja2.TemplateError, TypeError) as e:  # TypeError: a value the template cannot combine (None + str)
-            raise DuokaError(f"the chat template rejected these messages: {e}",
-                             "check the roles and their order (most templates want alternating user/assistant turns)") from None
-        text = "".join(blocks)
-        return text, spans
-
-
-# ---------------------------------------------------------------- jinja environment
-# Mirrors transformers.utils.chat_template_utils so templates render byte-for-byte alike.
-
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-_generation_spans: ContextVar[tuple[list, list] | None] = ContextVar("duoka_generation_spans", default=None)
-
-
-def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
-    """transformers passes a message's reasoning under each name templates read."""
-    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
-    if reasoning is None:
-        return dict(message)
-    return {"thinking": reasoning, **message, "reasoning_content": reasoning}
-
-
-@contextmanager
-def _track_generation(tracking: tuple[list, list]):
-    token = _generation_spans.set(tracking)
-    try:
-        yield
-    finally:
-        _generation_spans.reset(token)
-
-
-_TEMPLATE_CACHE: dict[str, Any] = {}
-
-
-def _compile_template(source: str):
-    if source in _TEMPLATE_CACHE:
-        return _TEMPLATE_CACHE[source]
-    import jinja2
-    import jinja2.ext
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    class GenerationTag(jinja2.ext.Extension):
-        """{% generation %}...{% endgeneration %}: renders its body and records where."""
-
-        tags = {"generation"}
-
-        def parse(self, parser):
-            lineno = next(parser.stream).lineno
-            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-            return jinja2.nodes.CallBlock(self.call_method("_render", [jinja2.nodes.ContextReference()]), [], [], body
-                                          ).set_lineno(lineno)
-
-        def _render(self, context, caller):
-            text = caller()
-            tracking = _generation_spans.get()
-            if tracking is not None:
-                blocks, spans = tracking
-                start = sum(len(b) for b in blocks)
-                spans.append((start, start + len(text)))
-            return text
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        # jinja's own tojson escapes HTML characters, which chat templates must not.
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    compiled = _TEMPLATE_CACHE[source] = env.from_string(source)
-    return compiled
+    def check_chat_template(self) -> None:
+        """Refuse, with one error naming it, a chat template that does not compile or fails on
+        a plain conversation: at start, not on every request. No template: nothing to check."""
+        if self.chat_template is not None:
+            self.render_chat(TEST_CONVERSATION, add_generation_prompt=True)
 
 
 def load_tokenizer(name_or_path: str | Path) -> Tokenizer:

@@ -17,6 +17,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from duoka import runtime
+from duoka.data.tokenizer import load_tokenizer
 from duoka.errors import DuokaError
 from duoka.host.devices import read_gpus, visible_indices
 from duoka.host.ports import free_port, port_is_free
@@ -36,6 +37,9 @@ def launch_serving(config: EngineConfig, server: ServerConfig, log=print) -> int
     """Serve until a SIGTERM/SIGINT drain; returns the exit code (0 after a drain)."""
     folder = resolve_model_dir(config.model) if config.model is not None else bundled_model_dir()
     check_tp_size(read_config(folder), config.tp)
+    # A chat template that does not compile or fails on a plain conversation is refused now,
+    # before the model loads, rather than answering 400 to every chat request.
+    load_tokenizer(folder).check_chat_template()
     # The ranks load the resolved folder; clients keep calling the model by the name given.
     name = config.served_model_name or config.model or BUNDLED_MODEL_NAME
     # Adapter folders absolute: every process, and /v1/models, see the same ones.

@@ -12,6 +12,7 @@ draining, 500 only when the engine itself failed.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import traceback
 from typing import Any
@@ -21,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from duoka.data.chat_template import RenderStop, request_stop
 from duoka.serve.api_requests import RequestPreparer, ServedModels
 from duoka.serve.api_responses import Responder
 from duoka.serve.async_engine import AsyncEngine
@@ -113,7 +115,9 @@ def build_app(async_engine: AsyncEngine, tokenizer, model_name: str, max_model_l
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
-        prepared = await preparer.prepare_chat(body)
+        prepared = await _prepare_unless_gone(request, preparer.prepare_chat(body))
+        if prepared is None:  # the client left while its chat template rendered: nobody reads this
+            return Response(status_code=499)
         return await responder.respond(request, prepared, body, chat=True)
 
     @app.post("/v1/completions")
@@ -122,3 +126,30 @@ def build_app(async_engine: AsyncEngine, tokenizer, model_name: str, max_model_l
         return await responder.respond(request, prepared, body, chat=False)
 
     return app
+
+
+async def _prepare_unless_gone(request: Request, prepare) -> Any:
+    """The prepared request, or None when the client disconnects first. The chat template
+    renders on a worker thread, which a cancelled await would leave rendering for nobody: the
+    render reads this request's RenderStop (data.chat_template) and ends once it is set."""
+    stop = RenderStop()
+    token = request_stop.set(stop)
+    try:
+        task = asyncio.ensure_future(prepare)  # the task copies the context, `stop` with it
+    finally:
+        request_stop.reset(token)
+
+    async def disconnected():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
+        stop.stop("the client disconnected")  # nothing to stop once the render has ended
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    return None if task.cancelled() else task.result()

@@ -23,6 +23,7 @@ from typing import Any
 
 import uvicorn
 
+from duoka.data.chat_template import stop_renders
 from duoka.errors import DuokaError
 from duoka.host.ports import port_is_free
 from duoka.serve.api import build_app
@@ -110,6 +111,7 @@ async def _serve(server: uvicorn.Server, async_engine: AsyncEngine, grace_s: flo
         else:
             log("duoka serve: second signal: aborting the requests still running")
             async_engine.abort_all(Draining("the server was stopped; the request was aborted"))
+            stop_renders("the server was stopped")
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig)
@@ -124,6 +126,9 @@ async def _serve(server: uvicorn.Server, async_engine: AsyncEngine, grace_s: flo
             log(f"duoka serve: {signal.Signals(signals[0]).name}: draining ({in_flight} request(s) in flight, "
                 f"up to {grace_s:g} s); a second signal aborts them")
             await async_engine.drain(grace_s)
+            # A chat template still rendering (the request never reached the engine) would keep
+            # its worker thread, and so the process, alive: it stops at its next check.
+            stop_renders("the server is stopping")
             server.should_exit = True
         await serving
     finally:

@@ -11,7 +11,10 @@ The disk is a small tmpfs mounted by the test (root only; skipped with the reaso
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -107,3 +110,38 @@ def test_disk_full_while_training_ends_with_one_message_and_the_run_resumes(duok
     impossible = run / "metrics.jsonl" / "hf"  # an export into a path through a file
     proc = in_process("export", str(run / "checkpoints" / "step-4"), "--out", str(impossible))
     assert proc.returncode == 2 and proc.stderr.count("error:") == 1 and "not a folder" in proc.stderr, proc.stderr
+
+
+BOTH_RUNS = """
+import sys
+from duoka.cli import main
+for out in sys.argv[1:]:
+    print("exit", main(["train", "--training.steps=1", f"--job.output_dir={out}"]), flush=True)
+"""
+
+
+def test_a_read_only_directory_is_one_message_naming_the_path(duoka, tmp_path):
+    """A folder without write permission: a new run directory in it cannot be made, and in an
+    existing one the run's lock file cannot be (a PermissionError from the lock): one message
+    each. Root ignores file modes, so as root the command runs without the capabilities that
+    let it (setpriv)."""
+    locked = tmp_path / "locked"
+    (locked / "run").mkdir(parents=True)
+    for folder in (locked / "run", locked):
+        folder.chmod(0o555)
+    prefix = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv: file modes cannot be made to apply")
+        prefix = ["setpriv", "--bounding-set=-dac_override,-dac_read_search,-fowner", "--"]
+    try:
+        proc = subprocess.run([*prefix, sys.executable, "-c", BOTH_RUNS, str(locked / "new"), str(locked / "run")],
+                              capture_output=True, text=True, cwd=duoka.root, env=duoka.env(), timeout=300)
+    finally:
+        for folder in (locked, locked / "run"):
+            folder.chmod(0o755)
+    assert proc.stdout.split() == ["exit", "2", "exit", "2"], proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: permission denied: {locked / 'new'}",
+                      f"error: permission denied: {locked / 'run' / '.lock'}"]
+    assert "Traceback" not in proc.stderr and proc.stderr.count("fix: choose a folder you can write to") == 2

@@ -1,10 +1,17 @@
 """Malformed data ends in error/fix naming the file (and line), or is skipped and counted
 exactly: binary files, non-UTF-8 lines, damaged prepared folders and caches, token ids
-beyond the vocabulary, malformed SFT messages, bad generation flags."""
+beyond the vocabulary, malformed SFT messages, bad generation flags. A byte-order mark is
+accepted, a FIFO or device is named as such, and a huge line costs the tokenizer no more
+memory than a short one."""
 
 import gzip
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -220,3 +227,81 @@ def test_train_refuses_a_damaged_prepared_folder_before_workers_start(prepared, 
     proc = in_process(*train)
     assert proc.returncode == 2 and "shard-00000.npy holds token id 5000 at position 3" in proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_a_byte_order_mark_at_the_start_is_accepted(tmp_path, tokenizer_dir):
+    """Windows tools start UTF-8 files with a byte-order mark: it is no part of the first record."""
+    for name, write in (("c.jsonl", lambda p, b: p.write_bytes(b)), ("c.jsonl.gz", lambda p, b: p.write_bytes(
+            gzip.compress(b)))):
+        p = tmp_path / name
+        write(p, b"\xef\xbb\xbf" + jsonl(["first", "second"]))
+        assert list(iter_documents(p, "text")) == ["first", "second"]
+    t = tmp_path / "d.txt"
+    t.write_bytes(b"\xef\xbb\xbfone\n\ntwo\n")
+    assert list(iter_documents(t, "text")) == ["one", "two"]
+    conv = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    sft = tmp_path / "s.jsonl"
+    sft.write_bytes(b"\xef\xbb\xbf" + json.dumps(conv).encode() + b"\n")
+    assert prepare_sft(sft, Tokenizer(tokenizer_dir), 128)[1].conversations == 1
+
+
+def test_a_data_path_that_is_no_regular_file_is_named_as_what_it_is(tmp_path, in_process):
+    fifo = tmp_path / "stream.jsonl"
+    os.mkfifo(fifo)
+    for path, what in ((fifo, "is a FIFO (named pipe), not a regular file"),
+                       (Path("/dev/zero"), "is a character device, not a regular file")):
+        with pytest.raises(DuokaError, match=re.escape(f"data.path {path} {what}")) as e:
+            dataset.corpus_files(path)
+        assert "save the data to a file first" in e.value.fix
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.jsonl").write_bytes(jsonl(["one"]))
+    os.mkfifo(folder / "b.jsonl")  # read, it would block for ever
+    with pytest.raises(DuokaError, match="b.jsonl is a FIFO"):
+        dataset.corpus_files(folder)
+    proc = in_process("train", "--training.steps=1", f"--data.path={fifo}", f"--job.output_dir={tmp_path / 'run'}")
+    assert proc.returncode == 2 and proc.stderr.count("error:") == 1 and "is a FIFO" in proc.stderr, proc.stderr
+
+
+# Every kind of pre-token boundary of Qwen2's split, around the places a long text is cut.
+VARIED = ("It's 2024: café — naïve 12,345 items!\n\n  indented\tcode(x)  ==  y;  中文分词测试，你好。 "
+          "emoji 🙂🚀 'quoted' \"double\" end.   ")
+
+
+def test_a_long_document_is_tokenized_in_pieces_to_the_same_tokens(tokenizer_dir, monkeypatch):
+    tok = Tokenizer(tokenizer_dir)
+    monkeypatch.setattr(dataset, "PIECE_CHARS", 2000)
+    text = VARIED * 300  # 36,000 characters: ~20 pieces, cut at many different places
+    pieces = list(dataset.text_pieces(text))
+    assert "".join(pieces) == text and len(pieces) > 15 and max(map(len, pieces)) <= 2000
+    whole = tok.encode(text, add_special_tokens=False)
+    docs = ["short one", text, "short two"]
+    arrays = list(dataset.token_arrays(tok, docs, 7))
+    assert np.concatenate(arrays).tolist() == (tok.encode("short one", add_special_tokens=False) + [7] + whole + [7]
+                                               + tok.encode("short two", add_special_tokens=False) + [7])
+
+
+MEASURE = """
+import resource, sys
+from pathlib import Path
+from duoka.data.dataset import tokenize_corpus
+from duoka.data.tokenizer import Tokenizer
+tok = Tokenizer(sys.argv[2])
+tok.encode_batch(["warm up " * 1000], add_special_tokens=False)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+tokenize_corpus(Path(sys.argv[1]), tok)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+"""
+
+
+def test_the_memory_a_long_line_takes_does_not_follow_its_length(tmp_path, tokenizer_dir):
+    """A 2 MB line: tokenized whole, ~580 MB of the tokenizer's (~200 bytes a character, so a
+    40 MB line took 6.3 GiB); in pieces ~100 MB, the piece's and the line's own text."""
+    p = tmp_path / "long.jsonl"
+    p.write_bytes(jsonl(["short"]) + jsonl([VARIED * 16_500]) + jsonl(["short again"]))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "DUOKA_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", MEASURE, str(p), str(tokenizer_dir)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    grew = float(out.stdout.split()[-1])
+    assert grew < 200, f"tokenizing a 2 MB line took {grew:.0f} MB"

@@ -80,3 +80,19 @@ def test_bad_sft_lines(tokenizer_dir, tmp_path):
     with pytest.raises(DuokaError, match=r"bad.jsonl:1 has no list of messages in field 'messages'") as e:
         prepare_sft(path, tok, 64)
     assert "data.messages_field" in e.value.fix
+
+
+def test_a_huge_conversation_is_encoded_only_as_far_as_its_window(tokenizer_dir, monkeypatch):
+    """A conversation of megabytes is cut to its window anyway: only a prefix a little longer
+    than the window is tokenized (the tokenizer holds ~200 bytes a character), with the same
+    first tokens and targets as the whole."""
+    tok = Tokenizer(tokenizer_dir)
+    long_answer = "It's 12 words, café. " * 20_000
+    conv = [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": long_answer}]
+    whole_ids, whole_keep = encode_conversation(tok, conv)
+    encoded = []
+    plain = tok.encode_with_offsets
+    monkeypatch.setattr(tok, "encode_with_offsets", lambda text: encoded.append(len(text)) or plain(text))
+    ids, keep = encode_conversation(tok, conv, max_tokens=64)
+    assert max(encoded) < 2_000 < len(whole_ids)
+    assert ids[:65] == whole_ids[:65] and keep[:65] == whole_keep[:65]

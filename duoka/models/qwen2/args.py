@@ -19,6 +19,19 @@ from typing import Any
 
 from duoka.errors import DuokaError
 from duoka.models.lora import LoRAArgs
+from duoka.models.qwen2.config_fields import (
+    FIX,
+    MAX_COUNT,
+    MAX_LAYERS,
+    check_float,
+    read_bool,
+    read_dict,
+    read_dtype,
+    read_float,
+    read_int,
+    read_layer_list,
+    read_token_ids,
+)
 from duoka.models.qwen2.rope import NO_ROPE_SCALING, RopeScaling, read_rope_scaling
 
 
@@ -337,18 +350,24 @@ def from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArg
     """Validate a Hugging Face Qwen2 config and turn it into ModelArgs.
 
     Anything the model cannot reproduce exactly is refused, naming the field: a
-    silent approximation would give a model that loads but is not the same model.
+    silent approximation would give a model that loads but is not the same model. Every
+    field is type- and range-checked first (config_fields): the file is untrusted input.
     """
 
     def refuse(field: str, why: str, fix: str) -> DuokaError:
         return DuokaError(f"{source}: {field} {why}", fix)
 
+    if not isinstance(cfg, dict):
+        raise DuokaError(f"{source} is not a JSON object", FIX)
+
     model_type = cfg.get("model_type")
     archs = cfg.get("architectures") or []
-    if model_type not in _ARCH:
+    if not isinstance(model_type, str) or model_type not in _ARCH:
         raise refuse("model_type", f"is {model_type!r}; duoka runs Qwen2/Qwen2.5 models (model_type 'qwen2') and "
                      "their mixture-of-experts form (model_type 'qwen2_moe')",
                      "use a Qwen2, Qwen2.5, Qwen1.5-MoE or Qwen2-MoE checkpoint")
+    if not isinstance(archs, list):
+        raise refuse("architectures", f"is {archs!r}, not a list", FIX)
     if archs and _ARCH[model_type] not in archs:
         raise refuse("architectures", f"is {archs}; expected {_ARCH[model_type]} for model_type {model_type!r}",
                      "use a causal-LM checkpoint (not a classification or reward head) whose model_type and "
@@ -363,56 +382,57 @@ def from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArg
                      "set attention_dropout to 0.0")
 
     # transformers >= 5 writes rope_parameters; older files write rope_theta + rope_scaling.
-    rope = cfg.get("rope_parameters") or {}
-    scaling_cfg = cfg.get("rope_scaling")
+    rope = read_dict(cfg, "rope_parameters", refuse)
+    scaling_cfg = read_dict(cfg, "rope_scaling", refuse)
     field = "rope_scaling" if scaling_cfg else "rope_parameters"
     rope_scaling = read_rope_scaling(scaling_cfg or rope, f"{source}: {field}")
-    theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    theta = check_float(rope.get("rope_theta", cfg.get("rope_theta", 10000.0)), "rope_theta", refuse, low_open=True)
+    read_dtype(cfg, refuse)
+    n_layers = read_int(cfg, "num_hidden_layers", refuse, high=MAX_LAYERS)
+    n_heads = read_int(cfg, "num_attention_heads", refuse)
+    moe = _moe_fields(cfg, refuse, n_layers) if model_type == "qwen2_moe" else {}
+    args = ModelArgs(
+        vocab_size=read_int(cfg, "vocab_size", refuse),
+        dim=read_int(cfg, "hidden_size", refuse),
+        n_layers=n_layers,
+        n_heads=n_heads,
+        # 0 or null has always meant "as many as the query heads"
+        n_kv_heads=read_int(cfg, "num_key_value_heads", refuse) if cfg.get("num_key_value_heads") else n_heads,
+        head_dim=None if cfg.get("head_dim") is None else read_int(cfg, "head_dim", refuse),
+        intermediate_size=read_int(cfg, "intermediate_size", refuse),
+        rope_theta=theta,
+        rope_scaling=rope_scaling,
+        norm_eps=read_float(cfg, "rms_norm_eps", refuse, 1e-6, high=1.0, low_open=True),
+        max_seq_len=read_int(cfg, "max_position_embeddings", refuse, default=32768),
+        tie_word_embeddings=read_bool(cfg, "tie_word_embeddings", refuse, False),
+        bos_token_id=read_token_ids(cfg, "bos_token_id", refuse),
+        eos_token_id=read_token_ids(cfg, "eos_token_id", refuse),
+        initializer_range=read_float(cfg, "initializer_range", refuse, 0.02),
+        **moe,
+    )
+    if args.context_len > MAX_COUNT:
+        raise refuse(field, f"extends the context to {args.context_len:,} positions, more than {MAX_COUNT:,}", FIX)
+    return args
 
-    try:
-        n_heads = int(cfg["num_attention_heads"])
-        moe = _moe_fields(cfg, refuse) if model_type == "qwen2_moe" else {}
-        return ModelArgs(
-            vocab_size=int(cfg["vocab_size"]),
-            dim=int(cfg["hidden_size"]),
-            n_layers=int(cfg["num_hidden_layers"]),
-            n_heads=n_heads,
-            n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-            head_dim=cfg.get("head_dim"),
-            intermediate_size=int(cfg["intermediate_size"]),
-            rope_theta=float(theta),
-            rope_scaling=rope_scaling,
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_seq_len=int(cfg.get("max_position_embeddings", 32768)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=cfg.get("eos_token_id"),
-            initializer_range=float(cfg.get("initializer_range", 0.02)),
-            **moe,
-        )
-    except KeyError as e:
-        raise refuse(e.args[0], "is missing", "the file is not a complete Qwen2 config.json") from None
-    except (TypeError, ValueError) as e:
-        raise DuokaError(f"{source}: a value has the wrong type ({e})", "compare with a config.json that transformers wrote") from None
 
-
-def _moe_fields(cfg: dict[str, Any], refuse) -> dict[str, Any]:
+def _moe_fields(cfg: dict[str, Any], refuse, n_layers: int) -> dict[str, Any]:
     """A qwen2_moe config's MoE fields as ModelArgs keywords. The shape-giving ones are required;
     the others take transformers' defaults when absent, as Qwen2MoeConfig does."""
-    if not cfg.get("qkv_bias", True):
+    if not read_bool(cfg, "qkv_bias", refuse, True):
         raise refuse("qkv_bias", "is false; Qwen2-MoE's attention has biases on q, k and v",
                      "use a Qwen2-MoE checkpoint (qkv_bias true or absent)")
-    if not int(cfg["num_experts"]):
+    if not read_int(cfg, "num_experts", refuse, low=0):
         raise refuse("num_experts", "is 0: a qwen2_moe config without experts is a dense Qwen2",
                      "set model_type to 'qwen2' and architectures to ['Qwen2ForCausalLM']")
-    return {"num_experts": int(cfg["num_experts"]), "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
-            "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
-            "shared_expert_intermediate_size": int(cfg["shared_expert_intermediate_size"]),
-            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)),
-            "decoder_sparse_step": int(cfg.get("decoder_sparse_step", 1)),
-            "mlp_only_layers": tuple(int(i) for i in cfg.get("mlp_only_layers") or ()),
-            "router_aux_loss_coef": float(cfg.get("router_aux_loss_coef", 0.001)),
-            "output_router_logits": bool(cfg.get("output_router_logits", False))}
+    return {"num_experts": read_int(cfg, "num_experts", refuse),
+            "num_experts_per_tok": read_int(cfg, "num_experts_per_tok", refuse),
+            "moe_intermediate_size": read_int(cfg, "moe_intermediate_size", refuse),
+            "shared_expert_intermediate_size": read_int(cfg, "shared_expert_intermediate_size", refuse),
+            "norm_topk_prob": read_bool(cfg, "norm_topk_prob", refuse, False),
+            "decoder_sparse_step": read_int(cfg, "decoder_sparse_step", refuse, default=1),
+            "mlp_only_layers": read_layer_list(cfg, "mlp_only_layers", refuse, n_layers),
+            "router_aux_loss_coef": read_float(cfg, "router_aux_loss_coef", refuse, 0.001),
+            "output_router_logits": read_bool(cfg, "output_router_logits", refuse, False)}
 
 
 def to_hf_config(args: ModelArgs, dtype: str | None = None) -> dict[str, Any]:

@@ -1,11 +1,12 @@
 """Hugging Face checkpoint folders in and out.
 
-Reading: config.json -> ModelArgs; weights from `model.safetensors` or the shards named
-by `model.safetensors.index.json`, renamed from transformers' names to duoka's. The
-headers are checked first (names and shapes, every problem in one error), then each
-tensor is read through safetensors' memory map and copied straight into the already
-allocated parameter in the target dtype and device: at most one tensor is ever held
-twice. Pickle files are never opened.
+Reading: config.json -> ModelArgs (every field checked, and the size it implies against the
+weight files); weights from `model.safetensors` or the shards named by
+`model.safetensors.index.json` (each inside the folder: the folder is untrusted input),
+renamed from transformers' names to duoka's. The headers are checked first (names and
+shapes, every problem in one error), then each tensor is read through safetensors' memory
+map and copied straight into the already allocated parameter in the target dtype and
+device: at most one tensor is ever held twice. Pickle files are never opened.
 
 Writing: the same layout transformers writes (config.json, one file or size-limited
 shards plus the index), staged in a sibling folder and moved into place only once
@@ -119,20 +120,105 @@ def duoka_to_hf(name: str) -> str:
 
 
 def read_config(folder: Path) -> ModelArgs:
+    """The folder's config.json as ModelArgs, every field checked (args.from_hf_config), and the
+    size it implies checked against the weights on disk, when there are any (a folder with only
+    a config.json is enough to plan with)."""
     path = folder / CONFIG_FILE
     if not path.is_file():
         raise DuokaError(f"{folder} has no {CONFIG_FILE}", "a Hugging Face model folder needs config.json next to the weights")
     try:
         cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DuokaError(f"{path} is not valid JSON ({e})", "restore the file from the original checkpoint") from None
-    return from_hf_config(cfg, source=str(path))
+    args = from_hf_config(cfg, source=str(path))
+    check_size_on_disk(folder, args)
+    return args
+
+
+# The fewest bits a stored weight takes: 1 (no format packs more than 8 weights in a byte; GPTQ
+# and AWQ store 2 a byte, FP8 1). A config that implies more parameters than that many per byte
+# of its weight files describes another model (or was crafted: 2e9 layers would take minutes to
+# build before any tensor is read), and is refused before anything is built.
+MAX_PARAMS_PER_BYTE = 8
+
+
+def check_size_on_disk(folder: Path, args: ModelArgs) -> None:
+    """Refuse a config that implies far more parameters than the folder's weight files can hold."""
+    files = _weight_file_paths(folder)
+    if not files or not all(p.is_file() for p in files):  # none, or missing shards: weight_files says so
+        return
+    for path in files:
+        open_safetensors(path)  # a file cut short or padded is named as such, not as a size mismatch
+    on_disk = sum(p.stat().st_size for p in files)
+    params = args.num_params()
+    if params > MAX_PARAMS_PER_BYTE * on_disk:
+        raise DuokaError(f"{folder / CONFIG_FILE} describes a model of {params:,} parameters, but its weight files "
+                         f"hold {on_disk:,} bytes, fewer than 1 bit a parameter",
+                         "config.json and the weights come from different models, or config.json was altered: restore "
+                         "it from the original checkpoint")
+
+
+# config.json's dtype name -> the torch dtype (the names config_fields.CONFIG_DTYPES allows): never
+# getattr(torch, name), which would hand back whatever the torch module holds under that name.
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def checkpoint_dtype(folder: Path) -> torch.dtype | None:
     cfg = json.loads((folder / CONFIG_FILE).read_text())
     name = cfg.get("dtype") or cfg.get("torch_dtype")
-    return getattr(torch, name, None) if isinstance(name, str) else None
+    return _DTYPES.get(name) if isinstance(name, str) else None
+
+
+def _weight_file_paths(folder: Path) -> list[Path]:
+    """The weight files the folder's index names (each checked to lie inside it), or its single
+    file; [] when it has neither."""
+    if (folder / INDEX_FILE).is_file():
+        return sorted(set(_index_entries(folder).values()))
+    return [folder / SINGLE_FILE] if (folder / SINGLE_FILE).is_file() else []
+
+
+def _index_entries(folder: Path) -> dict[str, Path]:
+    """Tensor name -> shard file, from model.safetensors.index.json; every entry must name a file
+    inside the folder, checked before any is opened."""
+    index = folder / INDEX_FILE
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise DuokaError(f"{index} is not a valid safetensors index ({e!r})",
+                         "restore it from the original checkpoint; it must hold a 'weight_map' object") from None
+    if not isinstance(weight_map, dict):
+        raise DuokaError(f"{index}: weight_map is a {type(weight_map).__name__}, not an object",
+                         "restore it from the original checkpoint; it must hold a 'weight_map' object")
+    roots = _allowed_roots(folder)
+    return {name: _shard_path(folder, index, roots, name, fname) for name, fname in weight_map.items()}
+
+
+def _allowed_roots(folder: Path) -> list[Path]:
+    """Where a model folder's shards may lie: in the folder, and for a snapshot of the Hugging
+    Face cache (its files are links into the repository's blobs) in that repository's blobs."""
+    real = folder.resolve()
+    roots = [real]
+    if real.parent.name == "snapshots":
+        roots.append(real.parent.parent / "blobs")
+    return roots
+
+
+def _shard_path(folder: Path, index: Path, roots: list[Path], name: str, fname) -> Path:
+    """An index entry's file, which must resolve inside the folder: an index is untrusted, and an
+    absolute path, a ../ or a link out of the folder would make duoka read any file."""
+    fix = ("an index may name only shard files inside its model folder: restore model.safetensors.index.json from "
+           "the original checkpoint (or copy the shard into the folder)")
+    if not isinstance(fname, str) or not fname:
+        raise DuokaError(f"{index}: the entry for {name!r} is {fname!r}, not a file name", fix)
+    path = folder / fname
+    try:
+        real = path.resolve()
+    except (OSError, RuntimeError) as e:  # a link loop
+        raise DuokaError(f"{index}: the entry for {name!r} ({fname!r}) cannot be resolved ({e})", fix) from None
+    if os.path.isabs(fname) or not any(real.is_relative_to(root) for root in roots):
+        raise DuokaError(f"{index}: the entry for {name!r} names {fname!r}, which lies outside the model folder "
+                         f"{folder}", fix)
+    return path
 
 
 def weight_files(folder: Path) -> dict[str, Path]:
@@ -140,12 +226,7 @@ def weight_files(folder: Path) -> dict[str, Path]:
     index = folder / INDEX_FILE
     single = folder / SINGLE_FILE
     if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise DuokaError(f"{index} is not a valid safetensors index ({e!r})",
-                             "restore it from the original checkpoint; it must hold a 'weight_map' object") from None
-        files = {name: folder / fname for name, fname in weight_map.items()}
+        files = _index_entries(folder)
         missing = sorted({p.name for p in files.values() if not p.is_file()})
         if missing:
             raise DuokaError(f"{index.name} names shard files that are not in {folder}: {', '.join(missing)}",

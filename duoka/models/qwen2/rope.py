@@ -46,8 +46,30 @@ class RopeScaling:
     def __post_init__(self):
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"rope_type {self.rope_type!r} is not one of {ROPE_TYPES}")
-        if self.rope_type != "default" and self.factor < 1.0:
-            raise ValueError(f"rope scaling factor {self.factor} must be >= 1")
+        if self.rope_type != "default" and not (_finite(self.factor) and self.factor >= 1.0):
+            raise ValueError(f"rope scaling factor {self.factor!r} must be >= 1")
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        """Every field a number in the range its formula needs (a config.json is untrusted: NaN,
+        a string or a zero would give a model that loads and prints nothing)."""
+        original = self.original_max_position_embeddings
+        if original is not None and not (isinstance(original, int) and not isinstance(original, bool)
+                                         and original >= 1):
+            raise ValueError(f"original_max_position_embeddings {original!r} must be a positive integer")
+        for name in ("beta_fast", "beta_slow", "low_freq_factor", "high_freq_factor", "attention_factor"):
+            value = getattr(self, name)
+            if value is not None and not (_finite(value) and value > 0):  # logs and divisions by them
+                raise ValueError(f"{name} {value!r} must be a finite number > 0")
+        for name in ("mscale", "mscale_all_dim"):
+            value = getattr(self, name)
+            if value is not None and not _finite(value):
+                raise ValueError(f"{name} {value!r} must be a finite number")
+        if not isinstance(self.truncate, bool):
+            raise ValueError(f"truncate {self.truncate!r} must be true or false")
+        if self.rope_type == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise ValueError(f"high_freq_factor {self.high_freq_factor} must be above low_freq_factor "
+                             f"{self.low_freq_factor} (llama3 divides by their difference)")
 
     def context_length(self, max_position_embeddings: int) -> int:
         """The longest sequence the scaled positions serve (vLLM's rule): the original context
@@ -63,6 +85,10 @@ class RopeScaling:
         if self.rope_type == "default":
             fields = {"rope_type": "default"}
         return {**fields, "rope_theta": theta}
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 NO_ROPE_SCALING = RopeScaling()  # a frozen default: ModelArgs shares it
@@ -88,7 +114,9 @@ def read_rope_scaling(params: dict[str, Any], where: str) -> RopeScaling:
             raise ValueError("factor is missing")
         return RopeScaling(rope_type=rope_type, **values)
     except (TypeError, ValueError) as e:
-        raise DuokaError(f"{where}: {e}", "give the scaling's factor (>= 1) as transformers documents it") from None
+        raise DuokaError(f"{where}: {e}", "give the scaling's fields as transformers documents them (factor >= 1, "
+                                          "the betas and frequency factors > 0), or restore config.json from the "
+                                          "original checkpoint") from None
 
 
 def _yarn(dim: int, theta: float, s: RopeScaling, original: int, device) -> tuple[torch.Tensor, float]:
