@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -164,3 +165,23 @@ def assert_compiled_run():
     """assert_compiled_run(run, ref): a compiled run of the layout configuration computes
     what the eager one does, to COMPILED_TOLERANCE."""
     return functools.partial(_assert_same_run, **COMPILED_TOLERANCE)
+
+
+@pytest.fixture
+def resumed_equals(records, assert_same_run, tmp_path):
+    """resumed_equals(training, first, reference, *layout): `first`'s step-3 checkpoint continued
+    by `training` (a Training) under `layout`: steps 4 and 5 and the final weights equal the
+    uninterrupted `reference`."""
+
+    def check(training: Training, first: Path, reference: Path, *layout: str) -> None:
+        second = tmp_path / "second"
+        training(second, f"--checkpoint.resume={first / 'checkpoints' / 'step-3'}", *layout)
+        got, ref = records(second), records(reference)
+        assert [r["step"] for r in got] == [4, 5]
+        # assert_same_run reads whole runs: give the resumed run the first three records.
+        full = tmp_path / "full"
+        shutil.copytree(second, full)
+        (full / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ref[:3] + got))
+        assert_same_run(full, reference)
+
+    return check

@@ -5,9 +5,6 @@ runs check the document mask across cp ranks; one run turns document masking off
 
 from __future__ import annotations
 
-import json
-import shutil
-
 import pytest
 
 FSDP = ("--parallel.dp_mode=fsdp",)
@@ -33,19 +30,11 @@ def test_cp_matches_one_process(layout_runs, assert_same_run, once_stderr, ranks
     assert_same_run(run, reference)
 
 
-def test_a_checkpoint_resumes_under_another_cp(layout_runs, reference, records, assert_same_run, tmp_path):
+def test_a_checkpoint_resumes_under_another_cp(layout_runs, reference, resumed_equals):
     """cp 2 on 4 ranks saves at step 3; cp 4 continues: steps 4 and 5 and the final weights
     as one process has them (the parameters never depended on cp)."""
     first = _cp_run(layout_runs, 4, 2, "--training.micro_batch_size=1")
-    second = tmp_path / "second"
-    layout_runs(second, f"--checkpoint.resume={first / 'checkpoints' / 'step-3'}", "--nproc-per-node=4", *FSDP,
-                "--parallel.cp=4")
-    got, ref = records(second), records(reference)
-    assert [r["step"] for r in got] == [4, 5]
-    full = tmp_path / "full"  # assert_same_run reads whole runs: the first three records are the reference's
-    shutil.copytree(second, full)
-    (full / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ref[:3] + got))
-    assert_same_run(full, reference)
+    resumed_equals(layout_runs, first, reference, "--nproc-per-node=4", *FSDP, "--parallel.cp=4")
 
 
 @pytest.mark.parametrize("args, message", [

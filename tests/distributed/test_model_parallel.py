@@ -7,9 +7,7 @@ shared between the first and last stage.
 Checkpoints written under one layout resume under another.
 """
 
-import json
 import re
-import shutil
 
 import pytest
 
@@ -83,24 +81,11 @@ def test_a_second_launch_finds_every_compiled_graph(layout_runs, compile_cache, 
 
 
 @pytest.fixture
-def resume_matches(layout_runs, reference, records, assert_same_run, tmp_path):
+def resume_matches(layout_runs, reference, resumed_equals):
     """resume_matches(first, target_layout): continue from the step-3 checkpoint of run
     `first` under another layout: steps 4 and 5 and the final weights equal the
     uninterrupted single-process run."""
-
-    def check(first, target_layout):
-        second = tmp_path / "second"
-        layout_runs(second, f"--checkpoint.resume={first / 'checkpoints' / 'step-3'}", *target_layout)
-        ref = records(reference)
-        got = records(second)
-        assert [r["step"] for r in got] == [4, 5]
-        # assert_same_run reads whole runs: give the resumed run the first three records.
-        full = tmp_path / "full"
-        shutil.copytree(second, full)
-        (full / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ref[:3] + got))
-        assert_same_run(full, reference)
-
-    return check
+    return lambda first, target_layout: resumed_equals(layout_runs, first, reference, *target_layout)
 
 
 def test_checkpoint_from_tensor_parallel_resumes_under_fsdp(resume_matches, tp2_run):
