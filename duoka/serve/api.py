@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from duoka.data.chat_template import RenderStop, request_stop
 from duoka.serve.api_requests import RequestPreparer, ServedModels
-from duoka.serve.api_responses import Responder
+from duoka.serve.api_responses import Responder, unless_disconnected
 from duoka.serve.async_engine import AsyncEngine
 from duoka.serve.http_middleware import (
     BearerAuth,
@@ -139,17 +139,7 @@ async def _prepare_unless_gone(request: Request, prepare) -> Any:
     finally:
         request_stop.reset(token)
 
-    async def disconnected():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        return await unless_disconnected(request, task)
     finally:
-        for t in (task, watcher):
-            if not t.done():
-                t.cancel()
         stop.stop("the client disconnected")  # nothing to stop once the render has ended
-        await asyncio.gather(task, watcher, return_exceptions=True)
-    return None if task.cancelled() else task.result()

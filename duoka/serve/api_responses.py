@@ -138,7 +138,7 @@ class Responder:
                                      media_type="text/event-stream",
                                      background=BackgroundTask(_abort_all, streams),
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        collected = await _unless_disconnected(request, _collect_all(streams))
+        collected = await unless_disconnected(request, _collect_all(streams))
         if collected is None:  # the client went away; its request was aborted, nobody reads this
             return Response(status_code=499)
         failure = next((c for c in collected if isinstance(c, Exception)), None)
@@ -334,7 +334,7 @@ async def _collect(stream: RequestStream) -> tuple[str, list[RequestOutput]] | E
     return "".join(parts), outputs
 
 
-async def _unless_disconnected(request: Request, work):
+async def unless_disconnected(request: Request, work):
     """Run `work`, unless the client disconnects first: then cancel it (its streams abort the
     requests in the engine) and return None. uvicorn does not cancel a handler whose client
     left, so a non-streamed request would otherwise run to the end for nobody."""
