@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from duoka.models.quant.fp8 import Fp8Linear, row_scales, to_e4m3
+from duoka.models.quant.gemlite_group import GemliteGroupLinear
 from duoka.models.quant.groupwise import GroupInts
 from duoka.models.quant.tinygemm import TinyGemmInt4Linear
 
@@ -59,6 +60,7 @@ def int4_parts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 
 def build(name: str, shape: tuple[int, int], device: torch.device) -> dict:
+    from gemlite.core import GEMLITE_MATMUL_TYPES_MAPPING
     from gemlite.helper import A16W8_FP8, A16Wn
 
     out, inp = shape
@@ -74,8 +76,17 @@ def build(name: str, shape: tuple[int, int], device: torch.device) -> dict:
                      g_idx=torch.arange(inp, device=device) // GROUP)
     tiny = TinyGemmInt4Linear(ints)
     gl4 = A16Wn(device=device, dtype=torch.bfloat16).from_weights(q4, s4, z4.to(torch.bfloat16), 4, GROUP)
-    return {"bf16": (lambda x: F.linear(x, w), w), "fp8_scaled_mm": (fp8, w8), "fp8_gemlite": (gl8, w8),
-            "int4_tinygemm": (tiny, w4.to(torch.bfloat16)), "int4_gemlite": (gl4, w4.to(torch.bfloat16))}
+    ours = GemliteGroupLinear(ints, 4, torch.bfloat16)  # gemlite with duoka's kernel choice by rows
+    forced = {f"int4_gemlite_{name}": (forced_kernel(ours, index), w4.to(torch.bfloat16))
+              for name, index in GEMLITE_MATMUL_TYPES_MAPPING.items()}
+    return forced | {"bf16": (lambda x: F.linear(x, w), w), "fp8_scaled_mm": (fp8, w8), "fp8_gemlite": (gl8, w8),
+            "int4_tinygemm": (tiny, w4.to(torch.bfloat16)), "int4_gemlite": (gl4, w4.to(torch.bfloat16)),
+            "int4_duoka": (ours, w4.to(torch.bfloat16))}
+
+
+def forced_kernel(layer: GemliteGroupLinear, index: int):
+    """The layer's weight through one of gemlite's kernels, whatever the rows."""
+    return lambda x: torch.ops.gemlite.forward_functional(x, None, layer.tensor_args(), layer.meta_args, index)
 
 
 def weight_bytes(kind: str, shape: tuple[int, int]) -> int:
@@ -104,6 +115,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--rows", default="1,2,4,8,16,32,64")
+    parser.add_argument("--shapes", default=",".join(SHAPES_7B), help="projections to time")
+    parser.add_argument("--kinds", default=None, help="kernels to time (default: all)")
+    parser.add_argument("--no-compile-check", action="store_true")
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -114,22 +128,31 @@ def main() -> None:
         results["gemlite"], results["triton"] = gemlite.__version__, triton.__version__
     except ImportError as exc:  # recorded: the point of the run is to find out
         results["gemlite"] = f"unavailable: {exc!r}"
-    for name, shape in SHAPES_7B.items():
+    for name in args.shapes.split(","):
+        shape = SHAPES_7B[name]
         layers = build(name, shape, device)
+        if args.kinds:
+            layers = {k: v for k, v in layers.items() if k in args.kinds.split(",")}
         rows_out: dict = {}
         for rows in map(int, args.rows.split(",")):
             x = torch.randn(rows, shape[1], device=device, dtype=torch.bfloat16)
             row: dict = {}
             for kind, (fn, w_ref) in layers.items():
                 ref = x.float() @ w_ref.float().t()
-                y = fn(x).float()
-                us = graph_us(fn, x)
+                try:
+                    y = fn(x).float()
+                    us = graph_us(fn, x)
+                except Exception as exc:  # noqa: BLE001 - a forced kernel may refuse a row count: recorded
+                    row[kind] = {"us": float("nan"), "error": repr(exc)[:200]}
+                    continue
                 row[kind] = {"us": round(us, 2), "tb_s": round(weight_bytes(kind, shape) / us / 1e6, 2),
                              "rel_err": float((y - ref).norm() / ref.norm())}
             rows_out[rows] = row
             print(name, rows, {k: v["us"] for k, v in row.items()}, flush=True)
         x1 = torch.randn(1, shape[1], device=device, dtype=torch.bfloat16)
-        for kind in ("fp8_gemlite", "int4_gemlite"):
+        for kind in () if args.no_compile_check else ("fp8_gemlite", "int4_gemlite", "int4_duoka"):
+            if kind not in layers:
+                continue
             fn, w_ref = layers[kind]
             try:
                 rows_out[f"compile_{kind}"] = compile_check(fn, x1, x1.float() @ w_ref.float().t())
@@ -138,8 +161,8 @@ def main() -> None:
         results["shapes"][name] = rows_out
         del layers
         torch.cuda.empty_cache()
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+        with open(args.out, "w") as f:  # after each shape: a run cut short keeps what it measured
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

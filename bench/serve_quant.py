@@ -28,7 +28,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_models import SHAPES, make_folder, peer_workload  # noqa: E402
 
+from duoka.models.quant import group_kernels  # noqa: E402
 from duoka.models.quant.folders import write_quantized_folder  # noqa: E402
+from duoka.models.quant.small_batch import load_gemlite  # noqa: E402
 from duoka.serve.config import EngineConfig  # noqa: E402
 from duoka.serve.engine import LLM, LLMEngine  # noqa: E402
 from duoka.serve.params import SamplingParams  # noqa: E402
@@ -63,7 +65,7 @@ def batch1(folder: Path, quantization: str | None, vocab: int) -> dict:
 
 
 def kernel_check() -> dict:
-    """The CUDA kernels against their reference paths on one 7B-sized projection: tinygemm's
+    """The CUDA kernels against their reference paths on one 7B-sized projection: the group-wise
     int4 matmul against x @ dequantized.T, _scaled_mm's FP8 against the emulated arithmetic."""
     from duoka.models.quant.base import Part, QuantScheme
     from duoka.models.quant.gptq import read_gptq
@@ -110,12 +112,14 @@ def main() -> None:
     ap.add_argument("--shape", default="7b")
     ap.add_argument("--out", required=True)
     ap.add_argument("--workload", action="store_true")
-    ap.add_argument("--only", default="bf16,fp8,gptq4,awq")
-    ap.add_argument("--workload-variant", choices=("bf16", "fp8"), help=argparse.SUPPRESS)
+    ap.add_argument("--only", default="bf16,fp8,gptq4,awq", help="also awq_tinygemm (awq without gemlite)")
+    ap.add_argument("--workload-of", default="bf16,fp8", help="engines the workload runs (bf16, fp8, awq)")
+    ap.add_argument("--workload-variant", choices=("bf16", "fp8", "awq"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.workload_variant:
         base = make_folder(args.shape)
-        print(json.dumps(workload(base, None if args.workload_variant == "bf16" else "fp8",
+        folder = base.parent / f"qwen2-{args.shape}-awq" if args.workload_variant == "awq" else base
+        print(json.dumps(workload(folder, "fp8" if args.workload_variant == "fp8" else None,
                                   SHAPES[args.shape]["vocab_size"])))
         return
     base = make_folder(args.shape)
@@ -132,8 +136,13 @@ def main() -> None:
     result = {"shape": args.shape, "command": " ".join(sys.argv), "write_s": round(time.perf_counter() - t, 1),
               "device": torch.cuda.get_device_name(), "kernels": kernel_check()}
     print("kernels", json.dumps(result["kernels"]), flush=True)
+    if "awq_tinygemm" in args.only:
+        folders["awq_tinygemm"] = folders["awq"]
     for name in args.only.split(","):
         folder, quantization = folders[name]
+        # awq_tinygemm: the same folder with gemlite hidden from the kernel choice, so the
+        # group-wise layers take PyTorch's tinygemm (the path without duoka[gpu]).
+        group_kernels.load_gemlite = (lambda: None) if name == "awq_tinygemm" else load_gemlite
         result[name] = batch1(folder, quantization, vocab)
         print(name, json.dumps(result[name]), flush=True)
     for name in args.only.split(",")[1:]:
@@ -141,13 +150,14 @@ def main() -> None:
     if args.workload:
         # One process per engine: a second engine in this process would find the first one's
         # memory (CUDA graph pools) still held and no room for its KV cache.
-        for name in ("bf16", "fp8"):
+        for name in args.workload_of.split(","):
             run = subprocess.run([sys.executable, __file__, "--workload-variant", name, "--shape", args.shape,
                                   "--out", "-"], capture_output=True, text=True, check=True)
             result[f"workload_{name}"] = json.loads(run.stdout.strip().splitlines()[-1])
             print(name, json.dumps(result[f"workload_{name}"]), flush=True)
-        result["workload_fp8_vs_bf16"] = (result["workload_fp8"]["total_tokens_per_s"]
-                                          / result["workload_bf16"]["total_tokens_per_s"])
+        for name in args.workload_of.split(",")[1:]:
+            result[f"workload_{name}_vs_bf16"] = (result[f"workload_{name}"]["total_tokens_per_s"]
+                                                  / result["workload_bf16"]["total_tokens_per_s"])
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}, indent=1))
 

@@ -238,13 +238,14 @@ def test_cuda_scaled_mm_equals_the_reference(n, k, dtype):
     assert layer.uses_scaled_mm
     x = torch.randn(3, 7, k, dtype=dtype, device=dev)
     tol = _one_step(dtype)
-    # The reference runs on the CPU: a CUDA fp32 matmul may run in TF32 (a driver or
-    # TORCH_ALLOW_TF32_CUBLAS_OVERRIDE can force it), whose error grows with the terms' size,
-    # not the result's (an H100 run: the CUDA reference 0.14 off a product of 279.6).
-    cpu = quantize_fp8(t.__getitem__, [Part("m")], FP8, True, CPU, dtype)
-    want = cpu(x.cpu()).to(dev)
-    product = want - layer.bias  # the size of the terms the kernel adds last
-    _assert_within_steps(layer.forward_scaled_mm(x), want, product, dtype)
+    # The reference: the kernel's own e4m3 operands and scales, multiplied in fp32 on the CPU.
+    # Not a CUDA fp32 matmul (it may run in TF32, whose error grows with the terms' size: an
+    # H100, 0.14 off a product of 279.6), nor the CPU layer's own activation rounding (a
+    # division rounded otherwise flips an e4m3 code: an H200 run, past two output steps).
+    args = scaled_mm_args(x.reshape(-1, k), layer.weight, layer.weight_scale, layer.bias)
+    product = ((args.a.cpu().float() * args.scale_a.cpu()) @ (args.b.cpu().float() * args.scale_b.cpu()))[:, :n]
+    want = (product + layer.bias.cpu().float()).reshape(3, 7, n).to(dev)
+    _assert_within_steps(layer.forward_scaled_mm(x), want, product.reshape(3, 7, n).to(dev), dtype)
     # Steps of more than SMALL_BATCH_ROWS rows take _scaled_mm, compiled and from graphs too.
     big = torch.randn(SMALL_BATCH_ROWS + 1, k, dtype=dtype, device=dev)
     torch.testing.assert_close(layer(big), layer.forward_scaled_mm(big), rtol=0, atol=0)

@@ -12,10 +12,18 @@ import torch
 from duoka.errors import DuokaError
 from duoka.models.quant.awq import read_awq, read_awq_part, unpack_awq
 from duoka.models.quant.base import Part, QuantScheme
-from duoka.models.quant.groupwise import GroupInts, GroupQuantLinear
+from duoka.models.quant.gemlite_group import gemlite_problem
 from duoka.models.quant.gptq import read_gptq, read_gptq_part
-from duoka.models.quant.tinygemm import (TinyGemmInt4Linear, build_group_linear, cuda_int4_bytes, tinygemm_dequantize,
-                                         tinygemm_layout, tinygemm_problem)
+from duoka.models.quant.group_kernels import build_group_linear
+from duoka.models.quant.groupwise import GroupInts, GroupQuantLinear
+from duoka.models.quant.small_batch import load_gemlite
+from duoka.models.quant.tinygemm import (
+    TinyGemmInt4Linear,
+    cuda_int4_bytes,
+    tinygemm_dequantize,
+    tinygemm_layout,
+    tinygemm_problem,
+)
 from duoka.models.quant.writers import quantize_to_awq, quantize_to_gptq
 
 CPU = torch.device("cpu")
@@ -377,6 +385,49 @@ def test_which_weights_take_tinygemm(monkeypatch):
     assert "sm80" in tinygemm_problem(ints, 4, cuda, torch.bfloat16)
     assert build_group_linear(ints, 4, CPU, torch.bfloat16).kernel == "reference"
 
+
+
+def test_which_weights_take_gemlite():
+    ints = _bf16_exact_ints(False)
+    cuda = torch.device("cuda")
+    assert gemlite_problem(ints, 4, cuda, torch.bfloat16) is None
+    assert gemlite_problem(ints, 8, cuda, torch.float16) is None
+    assert gemlite_problem(_bf16_exact_ints(True), 4, cuda, torch.bfloat16) is None  # act-order: permuted
+    assert "cpu" in gemlite_problem(ints, 4, CPU, torch.bfloat16)
+    assert "2-bit" in gemlite_problem(ints, 2, cuda, torch.bfloat16)
+    assert "float32" in gemlite_problem(ints, 4, cuda, torch.float32)
+    assert "unequal" in gemlite_problem(_bf16_exact_ints(True).shard((1, 0, 64), "m"), 4, cuda, torch.bfloat16)
+    narrow = GroupInts(ints.q[:, :80], ints.zeros[:1], ints.scales[:1], torch.zeros(80, dtype=torch.long), 80)
+    assert "input width 80" in gemlite_problem(narrow, 4, cuda, torch.bfloat16)
+
+
+_NEEDS_GEMLITE = pytest.mark.skipif(not torch.cuda.is_available() or load_gemlite() is None,
+                                    reason="gemlite's kernels need CUDA and the gemlite package")
+
+
+@_NEEDS_GEMLITE
+@pytest.mark.parametrize("bits,act_order", [(4, False), (4, True), (8, False)])
+def test_cuda_gemlite_layer_is_x_times_the_checkpoint_weight(bits, act_order):
+    # Every kernel gemlite picks by rows (GEMV, split-K, GEMM) against an fp32 product on the CPU.
+    q, zeros, scales, g_idx = random_ints(256, 512, bits, 128, False, seed=21, act_order=act_order)
+    ints = GroupInts(q.to(torch.uint8), zeros.to(torch.uint8), scales.to(torch.bfloat16), g_idx, 128,
+                     bias=torch.randn(256, dtype=torch.bfloat16))
+    cuda = torch.device("cuda")
+    layer = build_group_linear(_to(ints, cuda), bits, cuda, torch.bfloat16)
+    assert layer.kernel == "gemlite"
+    w = ints.dequantize()
+    torch.testing.assert_close(layer.dequantize().cpu().float(), w, rtol=2 ** -8, atol=0)  # one bf16 rounding
+    for rows in (1, 3, 8, 100):
+        x = torch.randn(rows, 512, dtype=torch.bfloat16)
+        want = x.float() @ w.t() + ints.bias.float()
+        got = layer(x.to(cuda)).float().cpu()
+        # bf16 output rounding plus fp32 sums in another order: a few bf16 steps of the output.
+        assert (got - want).abs().max() <= 4e-3 * want.abs().max(), rows
+
+
+def _to(ints, device):
+    return GroupInts(ints.q.to(device), ints.zeros.to(device), ints.scales.to(device), ints.g_idx.to(device),
+                     ints.group_size, None if ints.bias is None else ints.bias.to(device))
 
 # ---- the writers ----
 

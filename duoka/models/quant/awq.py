@@ -17,8 +17,8 @@ import torch
 
 from duoka.errors import DuokaError
 from duoka.models.quant.base import Part, QuantizedLinear, QuantScheme, TensorSource
+from duoka.models.quant.group_kernels import build_group_linear
 from duoka.models.quant.groupwise import FLOAT_DTYPES, GroupInts, checked, concat_parts, group_count, unpack_cols
-from duoka.models.quant.tinygemm import build_group_linear
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
@@ -27,7 +27,7 @@ AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
 def read_awq(source: TensorSource, parts: list[Part], scheme: QuantScheme, bias: bool, device: torch.device,
              dtype: torch.dtype) -> QuantizedLinear:
     """The projection made of `parts` (concatenated along the output rows, each its shard) from an
-    AWQ GEMM checkpoint, on `device`: tinygemm in bf16 on CUDA, else the reference layer."""
+    AWQ GEMM checkpoint, on `device`: the kernel group_kernels.py picks."""
     if scheme.bits != 4:
         raise DuokaError(f"AWQ with {scheme.bits} bits is not supported", "use a 4-bit AWQ checkpoint (GEMM layout)")
     pieces = [read_awq_part(source, part.prefix, scheme, bias, device).shard(part.shard, part.prefix)

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from duoka.models.qwen2.hf_adapter import CONFIG_FILE, open_safetensors, weight_files
 from duoka.models.quant.writers import quantize_to_awq, quantize_to_gptq
+from duoka.models.qwen2.hf_adapter import CONFIG_FILE, open_safetensors, weight_files
 
 PROJECTION_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # Files of a model folder other than its weights, copied as they are.

@@ -18,9 +18,16 @@ import torch
 
 from duoka.errors import DuokaError
 from duoka.models.quant.base import Part, QuantizedLinear, QuantScheme, TensorSource
-from duoka.models.quant.groupwise import (FLOAT_DTYPES, GroupInts, checked, concat_parts, group_count,
-                                          unpack_cols, unpack_rows)
-from duoka.models.quant.tinygemm import build_group_linear
+from duoka.models.quant.group_kernels import build_group_linear
+from duoka.models.quant.groupwise import (
+    FLOAT_DTYPES,
+    GroupInts,
+    checked,
+    concat_parts,
+    group_count,
+    unpack_cols,
+    unpack_rows,
+)
 
 FORMATS = ("gptq", "gptq_v2")
 
@@ -28,7 +35,7 @@ FORMATS = ("gptq", "gptq_v2")
 def read_gptq(source: TensorSource, parts: list[Part], scheme: QuantScheme, bias: bool, device: torch.device,
               dtype: torch.dtype) -> QuantizedLinear:
     """The projection made of `parts` (concatenated along the output rows, each its shard) from a
-    GPTQ checkpoint, on `device`: tinygemm for 4 bits in bf16 on CUDA, else the reference layer."""
+    GPTQ checkpoint, on `device`: the kernel group_kernels.py picks."""
     check_gptq_scheme(scheme)
     pieces = [read_gptq_part(source, part.prefix, scheme, bias, device).shard(part.shard, part.prefix)
               for part in parts]

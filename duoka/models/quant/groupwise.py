@@ -99,6 +99,14 @@ class GroupInts:
         return w.mul_(self.scales.t().index_select(1, self.g_idx).float())
 
 
+def uniform_groups(ints: GroupInts) -> bool:
+    """Whether sorting the columns by group leaves groups of exactly group_size consecutive
+    columns, in group order (always, but for an act-order weight's column shard)."""
+    order = torch.argsort(ints.g_idx, stable=True)
+    want = torch.arange(ints.in_features, device=ints.g_idx.device) // ints.group_size
+    return ints.in_features % ints.group_size == 0 and torch.equal(ints.g_idx[order], want)
+
+
 def concat_parts(parts: list[GroupInts], names: list[str]) -> GroupInts:
     """The parts stacked along the output rows (q/k/v -> one projection). They read one input,
     so their input columns must mean the same: same g_idx and group count."""

@@ -44,13 +44,21 @@ class SmallBatchFp8(NamedTuple):
         return torch.ops.gemlite.forward_functional(x, None, self.tensor_args, self.meta_args)
 
 
-def _gemlite():
+def load_gemlite():
+    """gemlite, its tuned configurations loaded and fp32 split-K sums set once per process;
+    None where it is not installed."""
     try:
         import gemlite
-        from gemlite.helper import A16W8_FP8
     except ImportError:
         return None
-    return gemlite, A16W8_FP8
+    if _state["tuned_file"] is None:
+        _state["tuned_file"] = tuned_configs_file()
+        gemlite.load_config(str(_state["tuned_file"]), print_error=False)
+        # Split-K partial sums added in fp32, not bf16 (gemlite's default on sm90 rounds each
+        # partial to bf16: 2.0 off on an H100 where one output step is 0.0156). One cast
+        # kernel more for 3-32 rows; one row takes a GEMV without atomics either way.
+        gemlite.set_native_atomic_bfp16(False)
+    return gemlite
 
 
 def tuned_configs_file() -> Path:
@@ -64,24 +72,16 @@ def build_small_batch_fp8(weight: torch.Tensor, weight_scale: torch.Tensor, dtyp
     with bf16/fp16 activations; None where gemlite is not installed (logged once with the
     fix: steps then take _scaled_mm at every size, slower at small batch but equal in
     result up to activation rounding)."""
-    found = _gemlite()
-    if found is None:
+    if load_gemlite() is None:
         if not _state["warned"]:
             log.warning("FP8 at small batch uses _scaled_mm, which is slower than bf16 there: %s", INSTALL_HINT)
             _state["warned"] = True
         return None
-    gemlite, a16w8_fp8 = found
-    if _state["tuned_file"] is None:
-        _state["tuned_file"] = tuned_configs_file()
-        gemlite.load_config(str(_state["tuned_file"]), print_error=False)
-        # Split-K partial sums added in fp32, not bf16 (gemlite's default on sm90 rounds each
-        # partial to bf16: 2.0 off on an H100 where one output step is 0.0156). One cast
-        # kernel more for 3-32 rows; one row takes a GEMV without atomics either way.
-        gemlite.set_native_atomic_bfp16(False)
+    from gemlite.helper import A16W8_FP8
     # post_scale: the row scale multiplies the fp32 sums (exact e4m3 x bf16 products); the
     # default pre-scales the weight in the activations' dtype, which loses rows of tiny
     # scale in fp16 and rounds every weight to bf16 (errors 10-50x one output step on a GPU).
-    layer = a16w8_fp8(device=weight.device, dtype=dtype, post_scale=True).from_weights(
+    layer = A16W8_FP8(device=weight.device, dtype=dtype, post_scale=True).from_weights(
         weight, None, weight_scale.reshape(-1, 1))
     # Plain tensors (gemlite wraps them as Parameters): the layer's own buffers, viewed.
     return SmallBatchFp8([t.detach() for t in layer.get_tensor_args()], list(layer.get_meta_args()))
@@ -91,7 +91,6 @@ def save_tuned_configs() -> None:
     """Keeps what gemlite tuned in this process (called once the engine has warmed up)."""
     if _state["tuned_file"] is None:
         return
-    found = _gemlite()
     path = Path(_state["tuned_file"])
     path.parent.mkdir(parents=True, exist_ok=True)
-    found[0].cache_config(str(path))
+    load_gemlite().cache_config(str(path))

@@ -1,6 +1,6 @@
-"""The CUDA fast path for 4-bit group-wise weights: PyTorch's own tinygemm kernels
-(aten._convert_weight_to_int4pack, aten._weight_int4pack_mm), what torchao's int4
-weight-only layout and gpt-fast use, and the choice between it and the reference layer.
+"""The CUDA path for 4-bit group-wise weights where gemlite is not installed: PyTorch's own
+tinygemm kernels (aten._convert_weight_to_int4pack, aten._weight_int4pack_mm), what torchao's
+int4 weight-only layout and gpt-fast use (group_kernels.py chooses).
 
 tinygemm's convention (torchao's ZeroPointDomain.FLOAT, PyTorch's int4mm tests): per group
 and output row a float scale s and a float zero f, with
@@ -18,19 +18,10 @@ from __future__ import annotations
 import torch
 
 from duoka.models.quant.base import QuantizedLinear
-from duoka.models.quant.groupwise import GroupInts, GroupQuantLinear
+from duoka.models.quant.groupwise import GroupInts, uniform_groups
 
 TINYGEMM_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm accepts as qGroupSize
 _INNER_K_TILES = (8, 4, 2)  # the kernel's k tiling; in_features must be a multiple of 16 * tiles
-
-
-def build_group_linear(ints: GroupInts, bits: int, device: torch.device, dtype: torch.dtype) -> QuantizedLinear:
-    """The layer for `ints` (already on `device`): tinygemm where it applies, else the
-    reference layer, whose `reason` names what kept tinygemm out."""
-    reason = tinygemm_problem(ints, bits, device, dtype)
-    if reason is None:
-        return TinyGemmInt4Linear(ints)
-    return GroupQuantLinear(ints, bits, dtype, reason)
 
 
 def tinygemm_problem(ints: GroupInts, bits: int, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -47,21 +38,13 @@ def tinygemm_problem(ints: GroupInts, bits: int, device: torch.device, dtype: to
         return f"group size {ints.group_size} (tinygemm takes {', '.join(map(str, TINYGEMM_GROUP_SIZES))})"
     if ints.out_features % 8 or _inner_k_tiles(ints.in_features) is None:
         return (f"shape {ints.out_features}x{ints.in_features} (tinygemm needs out a multiple of 8, in of 32)")
-    if not _uniform_groups(ints):
+    if not uniform_groups(ints):
         return "groups of unequal size (an act-order weight's input-column shard)"
     return None
 
 
 def _inner_k_tiles(in_features: int) -> int | None:
     return next((t for t in _INNER_K_TILES if in_features % (16 * t) == 0), None)
-
-
-def _uniform_groups(ints: GroupInts) -> bool:
-    """Whether sorting the columns by group leaves groups of exactly group_size consecutive
-    columns, in group order (always, but for an act-order weight's column shard)."""
-    order = torch.argsort(ints.g_idx, stable=True)
-    want = torch.arange(ints.in_features, device=ints.g_idx.device) // ints.group_size
-    return ints.in_features % ints.group_size == 0 and torch.equal(ints.g_idx[order], want)
 
 
 def tinygemm_layout(ints: GroupInts) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
