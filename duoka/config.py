@@ -11,6 +11,7 @@ docs/config.md is generated from the field metadata here (`python -m duoka.confi
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import difflib
 import math
 import sys
@@ -224,10 +225,17 @@ class ParallelConfig:
                      "dp_shard and the model's num_experts.", min=1)
     cp: int = opt(1, "Context-parallel degree: each sequence split over cp neighbouring dp_shard ranks, which share "
                      "their data; with 2 x cp chunks, rank i holds chunk i and chunk 2cp-1-i (causal attention's "
-                     "work balanced), and attention reads every rank's keys and values, all-gathered (Llama 3's "
-                     "context parallelism: document masks need nothing special). FSDP2 shards over all of "
-                     "dp_shard. Needs dp_mode=fsdp; must divide dp_shard; training.seq_len a multiple of 2 x cp; "
+                     "work balanced), and attention spans the whole sequence by cp_method. FSDP2 shards over all "
+                     "of dp_shard. Needs dp_mode=fsdp; must divide dp_shard; training.seq_len a multiple of 2 x cp; "
                      "not with tp, pp, ep or load balancing yet.", min=1)
+    cp_method: str = opt("auto", "How attention spans a sequence split over cp ranks (docs/training.md, Long "
+                                 "context): allgather (every rank's keys and values all-gathered, a dense mask of "
+                                 "the rank's queries by every key); ulysses (DeepSpeed-Ulysses: an all-to-all gives "
+                                 "each rank the whole sequence for 1/cp of the heads, attention runs as in one "
+                                 "process, causal or with the document masking kernel, and an all-to-all brings "
+                                 "the rank's tokens back; the attention heads must divide by cp, KV heads fewer "
+                                 "than cp are repeated); auto: ulysses where the heads divide by cp, else allgather.",
+                         choices=("auto", "allgather", "ulysses"))
     pp_schedule: str = opt("1f1b", "Pipeline schedule: gpipe, 1f1b, interleaved_1f1b (needs "
                                    "pp_stages_per_rank >= 2), zero_bubble (interleaved zero-bubble, needs "
                                    "pp_stages_per_rank >= 2).",
@@ -363,12 +371,27 @@ def _all_keys(cfg: Config) -> list[str]:
     return [f"{s}.{k}" for s in SECTIONS for k in _section_fields(cfg, s)]
 
 
-def _unknown(name: str, cfg: Config, origin: str) -> DuokaError:
+def suggest_key(name: str) -> str | None:
+    """The config key `name` most likely means: a right key in the wrong section or with no
+    section (training.lr, lr, output-dir -> optimizer.lr, optimizer.lr, job.output_dir), else
+    the closest spelling; None when nothing is close."""
+    keys = _all_keys(Config())
+    name = name.replace("-", "_")
     tail = name.split(".")[-1]
-    # A right key in the wrong section first (training.lr -> optimizer.lr), then spelling.
-    close = [k for k in _all_keys(cfg) if k.split(".")[-1] == tail][:1]
-    close = close or difflib.get_close_matches(name, _all_keys(cfg), n=1, cutoff=0.5)
-    hint = f"did you mean {close[0]}?" if close else "docs/config.md lists every key"
+    same = [k for k in keys if k.split(".")[-1] == tail]
+    if same:
+        return same[0]
+    if "." in name:
+        close = difflib.get_close_matches(name, keys, n=1, cutoff=0.5)
+        return close[0] if close else None
+    by_tail = {k.split(".")[-1]: k for k in reversed(keys)}  # the first section's key where two share a name
+    close = difflib.get_close_matches(tail, list(by_tail), n=1, cutoff=0.6)
+    return by_tail[close[0]] if close else None
+
+
+def _unknown(name: str, cfg: Config, origin: str) -> DuokaError:
+    close = suggest_key(name)
+    hint = f"did you mean {close}?" if close else "docs/config.md lists every key"
     return DuokaError(f"{origin}: unknown config key {name!r}", hint)
 
 
@@ -392,8 +415,8 @@ def _check_typed(name: str, f: dataclasses.Field, value: Any, origin: str) -> No
         meant = _coerce(name, f, value, origin) if not isinstance(value, bool) and kind is not str else None
     except DuokaError:
         meant = None
-    example = _toml_value(meant) if meant is not None else {bool: "true", int: "5", float: "0.5", str: '"text"'}[kind]
-    raise DuokaError(f"{origin}: {name} = {_toml_value(value)} is {got}, not {want}",
+    example = toml_value(meant) if meant is not None else {bool: "true", int: "5", float: "0.5", str: '"text"'}[kind]
+    raise DuokaError(f"{origin}: {name} = {toml_value(value)} is {got}, not {want}",
                      f"write {key} = {example} under [{section}]" +
                      (" (without quotes: they make a string)" if isinstance(value, str) else ""))
 
@@ -473,6 +496,24 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
     return cfg
 
 
+def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Take `--section.key=value` / `--section.key value` out before argparse sees them
+    (a dotted flag name is an override; its section is checked by the config)."""
+    rest, overrides = [], []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--") and "." in arg[2:].split("=", 1)[0]:
+            overrides.append(arg)
+            if "=" not in arg and i + 1 < len(argv):
+                overrides.append(argv[i + 1])
+                i += 1
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, overrides
+
+
 def apply_overrides(cfg: Config, overrides: list[str]) -> None:
     """`--section.key=value` or `--section.key value`, as the CLI received them."""
     items = list(overrides)
@@ -492,14 +533,33 @@ def apply_overrides(cfg: Config, overrides: list[str]) -> None:
         i += 1
 
 
-def _toml_value(v: Any) -> str:
+# TOML basic strings may not hold a backslash, a quote or a control character as they are
+# (tab aside; it is escaped too, for readability): each becomes its escape sequence.
+_TOML_ESCAPES = {"\\": "\\\\", '"': '\\"', "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
+
+
+def _toml_char(c: str) -> str:
+    if c in _TOML_ESCAPES:
+        return _TOML_ESCAPES[c]
+    return f"\\u{ord(c):04X}" if ord(c) < 0x20 or ord(c) == 0x7F else c
+
+
+def toml_value(v: Any) -> str:
+    """A value as TOML writes it, which tomllib reads back equal: the config's own (bool, int,
+    float, str) and, for messages about a TOML file's values, arrays, tables and dates."""
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
     if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    return repr(v)
+        return '"' + "".join(_toml_char(c) for c in v) + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{toml_value(str(k))} = {toml_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, (datetime.date, datetime.time)):  # datetime.datetime is a date
+        return v.isoformat()
+    raise TypeError(f"TOML has no value of type {type(v).__name__}: {v!r}")
 
 
 def to_toml(cfg: Config) -> str:
@@ -508,7 +568,7 @@ def to_toml(cfg: Config) -> str:
     lines = []
     for section, values in cfg.to_dict().items():
         lines.append(f"[{section}]")
-        lines += [f"{k} = {_toml_value(v)}" for k, v in values.items()]
+        lines += [f"{k} = {toml_value(v)}" for k, v in values.items()]
         lines.append("")
     return "\n".join(lines)
 

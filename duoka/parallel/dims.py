@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from duoka.config import ParallelConfig
 from duoka.errors import DuokaError
+from duoka.models.qwen2.context_parallel import resolve_context_method
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 EXPERT_MESH_DIMS = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
@@ -39,6 +40,8 @@ class ParallelDims:
     cp: int = 1
     """Context parallelism: dp_shard splits into dp_shard // cp groups of cp neighbouring ranks
     that share one batch and split its sequences; context_mesh() names the two."""
+    cp_method: str = "auto"
+    """parallel.cp_method as configured; context_method(n_heads) resolves it for a model."""
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> "ParallelDims":
@@ -87,7 +90,7 @@ class ParallelDims:
         cp = cfg.cp
         if cp > 1:
             _check_context_parallel(cfg, shard, tp, pp, ep)
-        return cls(cfg.dp_mode, rep, shard, world_size, tp, pp, ep, cp)
+        return cls(cfg.dp_mode, rep, shard, world_size, tp, pp, ep, cp, cfg.cp_method)
 
     def check_model(self, n_heads: int, n_kv_heads: int, n_layers: int, stages_per_rank: int = 1,
                     num_experts: int = 0) -> None:
@@ -102,6 +105,8 @@ class ParallelDims:
                 f"parallel.tp={self.tp} does not divide the model's {n_heads} attention heads and {n_kv_heads} "
                 "KV heads (each tensor-parallel rank must own whole heads; KV heads are not replicated)",
                 f"use parallel.tp in {valid}")
+        if self.cp > 1:
+            self.context_method(n_heads)  # refuses ulysses where the heads do not divide by cp
         stages = self.pp * stages_per_rank
         if self.pp > 1 and stages > n_layers:
             raise DuokaError(f"parallel.pp x pp_stages_per_rank = {stages} stages but the model has {n_layers} "
@@ -154,6 +159,11 @@ class ParallelDims:
     def cp_rank(self, rank: int) -> int:
         """`rank`'s place in its cp group (which chunks of the sequence it holds)."""
         return self.coordinates(rank)["dp_shard"] % self.cp
+
+    def context_method(self, n_heads: int) -> str:
+        """How a model of n_heads attention heads spans its split sequences: allgather or ulysses
+        (auto resolved: ulysses where the heads divide by cp)."""
+        return resolve_context_method(self.cp_method, self.cp, n_heads)
 
     def context_mesh(self, device_type: str) -> DeviceMesh:
         """dp_shard split into (dp_shard_mod_cp, cp), cp inner: a cp group is cp neighbours."""

@@ -45,6 +45,21 @@ two reduce-scatters backward, two more all-gathers in a checkpointed recompute, 
 gathered tensor's bytes, over cp neighbours. SDPA waits for its gathered K/V at once and the
 projections for their gradients, and the trainer issues nothing to overlap them with: on the
 critical path.
+
+Ulysses (layout.cp_method, the trainer's parallel.cp_method; `context_method` is auto's choice,
+proposed wherever the attention heads divide by cp): per layer one all-to-all sends each rank's
+q, k and v (KV heads repeated up to a multiple of cp where fewer) to the rank of their heads and
+one brings attention's output back; attention runs over the whole sequence with one GPU's
+kernels (causal, or varlen for packed documents: training.document_masking_kernel=auto on
+CUDA), so there is no mask and no bias. SDPA saves q, k, v and its output at the whole
+sequence for 1/cp of the heads: as many elements as the rank's own tokens of every head, which
+the per-token terms count, except the repeated KV heads (`kv_layer`). A layer's backward holds
+the q/k/v gradients of the exchange twice (in sequence order, then reordered to be sent:
+`kv_grad`). Traffic per layer and micro-batch: the two all-to-alls forward, their opposites
+backward, both again in a checkpointed recompute; a rank sends its seq/cp tokens' share, so at
+a fixed cp it falls as the sequence is split further, where the all-gather receives the whole
+sequence's keys and values whatever cp. Compute is counted as for the all-gather (every score),
+though the causal kernels skip about half: an over-estimate of Ulysses' attention time.
 """
 
 from __future__ import annotations
@@ -53,6 +68,7 @@ from dataclasses import dataclass
 
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import ModelArgs
+from duoka.models.qwen2.context_parallel import resolve_context_method, ulysses_fits, ulysses_kv_repeat
 from duoka.plan.moe import is_moe
 from duoka.plan.network import Fabric
 
@@ -68,6 +84,10 @@ MAX_CONTEXT = 16
 # gradients reduce-scattered backward (two), and the checkpointed recompute gathers again.
 KV_COLLECTIVES = 4
 KV_COLLECTIVES_CHECKPOINTED = 6
+# Ulysses' passes of its two all-to-alls (q/k/v, the output) per layer and micro-batch: forward,
+# backward (the opposite exchanges of the gradients), and the checkpointed recompute's forward.
+ULYSSES_PASSES = 2
+ULYSSES_PASSES_CHECKPOINTED = 3
 MASK_BYTES = 1  # the mask is torch.bool
 
 
@@ -90,11 +110,21 @@ def context_degrees(dp_shard: int, seq_len: int | None = None) -> list[int]:
     return out
 
 
-def check_context(args: ModelArgs, cp: int, seq_len: int) -> None:
-    """Refuse an estimate the trainer would refuse: cp on a MoE model, or a sequence that
-    does not cut into 2 x cp equal chunks (the layout's own checks: duoka.plan.memory.Layout)."""
+def context_method(args: ModelArgs, cp: int) -> str:
+    """The method a plan proposes for cp, parallel.cp_method=auto's: ulysses where the model's
+    attention heads divide by cp, else allgather."""
+    return resolve_context_method("auto", cp, args.n_heads)
+
+
+def check_context(args: ModelArgs, cp: int, seq_len: int, method: str = "allgather") -> None:
+    """Refuse an estimate the trainer would refuse: cp on a MoE model, a sequence that does not
+    cut into 2 x cp equal chunks, or Ulysses over heads that do not divide by cp (the layout's
+    own checks: duoka.plan.memory.Layout)."""
     if cp == 1:
         return
+    if method == "ulysses" and not ulysses_fits(args.n_heads, cp):
+        raise DuokaError(f"cp={cp} by Ulysses splits the model's {args.n_heads} attention heads, which {cp} does "
+                         "not divide (the trainer refuses it)", "plan it with cp_method=allgather, or another cp")
     if is_moe(args):
         raise DuokaError(f"cp={cp} on a mixture-of-experts model: the trainer refuses it (the router's "
                          "load-balancing loss is a function of whole sequences)", "plan it with cp=1")
@@ -112,10 +142,14 @@ class ContextMemory:
     """Bytes of one micro-batch under cp beyond what its seq/cp tokens save per token
     (duoka.plan.memory.saved_per_token), on one rank."""
 
-    kv_layer: float  # one layer's gathered keys and values beyond the rank's own: saved for SDPA's backward
-    mask: float  # the boolean mask: kept by checkpointed blocks for their recompute
-    bias: float  # one layer's additive bias (SDPA's conversion of the mask), saved for its backward
-    kv_grad: float  # the gathered keys' and values' gradients in a layer's backward
+    # One layer's keys and values beyond the rank's own, saved for SDPA's backward: the gathered
+    # ones (allgather), the repeated KV heads (ulysses).
+    kv_layer: float
+    mask: float  # the boolean mask: kept by checkpointed blocks for their recompute (allgather)
+    bias: float  # one layer's additive bias (SDPA's conversion of the mask), saved for its backward (allgather)
+    # In a layer's backward: the gathered keys' and values' gradients (allgather), the q/k/v
+    # gradients of the exchange, in sequence order and reordered (ulysses).
+    kv_grad: float
 
     def held(self, layers: int, ac: bool) -> float:
         """Held through the forward until backward: every layer's gathered K/V and bias, or
@@ -130,12 +164,20 @@ class ContextMemory:
 NO_CONTEXT = ContextMemory(0.0, 0.0, 0.0, 0.0)
 
 
-def context_memory(args: ModelArgs, micro_batch: int, seq_len: int, cp: int, e: int) -> ContextMemory:
-    """The terms of ContextMemory for `micro_batch` sequences of seq_len over cp ranks, e the
-    compute dtype's bytes (the gathered K/V, their gradients and SDPA's bias are in it)."""
+def context_memory(args: ModelArgs, micro_batch: int, seq_len: int, cp: int, e: int,
+                   method: str = "allgather") -> ContextMemory:
+    """The terms of ContextMemory for `micro_batch` sequences of seq_len over cp ranks by
+    `method`, e the compute dtype's bytes (the exchanged tensors, their gradients and SDPA's
+    bias are in it)."""
     if cp == 1:
         return NO_CONTEXT
     local = seq_len // cp
+    if method == "ulysses":
+        per_head = e * args.resolved_head_dim * micro_batch * local  # one head of the rank's tokens
+        repeat = ulysses_kv_repeat(args.n_kv_heads, cp)
+        exchanged = args.n_heads + 2 * args.n_kv_heads * repeat  # the heads of q, k and v the all-to-all carries
+        return ContextMemory(kv_layer=2 * args.n_kv_heads * (repeat - 1) * per_head, mask=0.0, bias=0.0,
+                             kv_grad=2 * exchanged * per_head)
     elements = micro_batch * local * seq_len  # mask elements: the rank's queries x every key
     kv = 2 * e * kv_dim(args) * micro_batch  # keys and values, per position
     return ContextMemory(kv_layer=kv * (seq_len - local), mask=MASK_BYTES * elements, bias=e * elements,
@@ -147,11 +189,24 @@ def kv_gathered_bytes(args: ModelArgs, micro_batch: int, seq_len: int) -> float:
     return 2 * micro_batch * seq_len * kv_dim(args)
 
 
+def ulysses_exchange_bytes(args: ModelArgs, cp: int, micro_batch: int, seq_len: int) -> tuple[float, float]:
+    """What one rank sends in each of a layer's two Ulysses all-to-alls, bf16: its seq/cp tokens'
+    q, k and v (KV heads repeated where fewer than cp), then attention's output."""
+    per_head = 2 * args.resolved_head_dim * micro_batch * seq_len // cp
+    qkv = args.n_heads + 2 * args.n_kv_heads * ulysses_kv_repeat(args.n_kv_heads, cp)
+    return qkv * per_head, args.n_heads * per_head
+
+
 def context_traffic_s(args: ModelArgs, cp: int, micro_batch: int, seq_len: int, ac: bool, fabric: Fabric,
-                      stride: int) -> float:
-    """Seconds of one micro-batch's K/V all-gathers and reduce-scatters on a rank, every layer,
-    over cp ranks `stride` apart (neighbouring dp_shard ranks); 0 without cp."""
+                      stride: int, method: str = "allgather") -> float:
+    """Seconds of one micro-batch's cp exchanges on a rank, every layer, over cp ranks `stride`
+    apart (neighbouring dp_shard ranks): the K/V all-gathers and reduce-scatters, or Ulysses'
+    all-to-alls; 0 without cp."""
     if cp == 1:
         return 0.0
+    if method == "ulysses":
+        passes = ULYSSES_PASSES_CHECKPOINTED if ac else ULYSSES_PASSES
+        qkv, out = ulysses_exchange_bytes(args, cp, micro_batch, seq_len)
+        return args.n_layers * passes * (fabric.all_to_all_s(qkv, cp, stride) + fabric.all_to_all_s(out, cp, stride))
     per_layer = KV_COLLECTIVES_CHECKPOINTED if ac else KV_COLLECTIVES
     return args.n_layers * per_layer * fabric.all_gather_s(kv_gathered_bytes(args, micro_batch, seq_len), cp, stride)

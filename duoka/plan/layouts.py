@@ -13,7 +13,7 @@ import math
 from dataclasses import replace
 
 from duoka.models.qwen2.args import ModelArgs
-from duoka.plan.context import context_degrees
+from duoka.plan.context import context_degrees, context_method
 from duoka.plan.memory import Layout
 from duoka.plan.moe import expert_degrees, is_moe
 
@@ -57,7 +57,7 @@ def enumerate_layouts(args: ModelArgs, gpus: int, gpus_per_node: int, context_se
     pp for it), each fsdp/hsdp layout with every ep dividing dp_shard and num_experts.
     context_seq (a sequence long enough for cp: duoka.plan.context.searches_context): each
     fsdp/hsdp layout without tp and pp also with every cp of context_degrees (the trainer
-    refuses cp with tp, pp and ep)."""
+    refuses cp with tp, pp and ep), by the method parallel.cp_method=auto would take (with_cp)."""
     out = []
     moe = is_moe(args)
     for tp in TP_SIZES:
@@ -78,13 +78,19 @@ def enumerate_layouts(args: ModelArgs, gpus: int, gpus_per_node: int, context_se
                     fsdp += [Layout("fsdp", r, d // r, tp, pp, sched, v) for r in _divisors(d) if 1 < r < d]
                     fsdp = [replace(x, ep=ep) for x in fsdp for ep in expert_degrees(args, x.dp_shard)]
                     if context_seq and tp == pp == 1 and not moe:
-                        fsdp += [replace(x, cp=cp) for x in fsdp for cp in context_degrees(x.dp_shard, context_seq)]
+                        fsdp += [with_cp(args, x, cp) for x in fsdp for cp in context_degrees(x.dp_shard, context_seq)]
                     # Keeping blocks gathered from forward to backward (ZeRO-2-like) saves the
                     # backward's all-gathers for the gathered weights' memory; under pp the
                     # trainer keeps stages gathered anyway.
                     dps += fsdp + ([replace(x, reshard_after_forward=False) for x in fsdp] if pp == 1 else [])
                 out += dps
     return out
+
+
+def with_cp(args: ModelArgs, layout: Layout, cp: int) -> Layout:
+    """`layout` at context-parallel degree cp, by the method auto takes for this model
+    (duoka.plan.context.context_method: Ulysses where the heads divide by cp)."""
+    return replace(layout, cp=cp, cp_method=context_method(args, cp) if cp > 1 else "allgather")
 
 
 def crosses_nodes(layout: Layout, dim: str, gpus_per_node: int) -> bool:

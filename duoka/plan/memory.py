@@ -47,8 +47,9 @@ layer's dispatch buffers are in flight in its backward. Not yet measured on a GP
 
 Context parallelism (layout.cp, duoka.plan.context): a rank holds seq_len / cp tokens of each
 sequence, which every per-token term counts; FSDP2 still shards over all of dp_shard. Beyond
-them (the `context` part): the gathered keys and values each layer saves for SDPA's backward,
-the dense attention mask and SDPA's per-layer bias copy of it. Not yet measured on a GPU.
+them (the `context` part): by all-gather, the gathered keys and values each layer saves for
+SDPA's backward, the dense attention mask and SDPA's per-layer bias copy of it; by Ulysses, the
+repeated KV heads and the exchange's buffers. Not yet measured on a GPU.
 
 Checked against 23 peaks measured on H200 (0.5B to 7B, one and two GPUs, DDP, FSDP2, tp
 and pp, with and without checkpointing and accumulation): all within 2%
@@ -62,6 +63,7 @@ from dataclasses import asdict, dataclass, field
 
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import ModelArgs
+from duoka.models.qwen2.context_parallel import CONTEXT_METHODS, resolve_context_method
 from duoka.models.qwen2.stages import stage_layer_counts
 from duoka.plan.context import NO_CONTEXT, ContextMemory, check_context, context_memory
 from duoka.plan.moe import (
@@ -110,7 +112,8 @@ class Layout:
     world = dp_replicate x dp_shard x tp x pp; ep (expert parallelism, mixture-of-experts
     models) splits dp_shard into dp_shard / ep groups of ep neighbours (duoka.plan.moe); cp
     (context parallelism) splits each sequence over cp neighbouring dp_shard ranks that share
-    one batch (duoka.plan.context)."""
+    one batch (duoka.plan.context), its attention by cp_method: allgather or ulysses (resolved,
+    never auto; allgather where cp is 1)."""
 
     dp_mode: str = "ddp"
     dp_replicate: int = 1
@@ -122,6 +125,7 @@ class Layout:
     reshard_after_forward: bool = True
     ep: int = 1
     cp: int = 1
+    cp_method: str = "allgather"
 
     def __post_init__(self):
         if self.dp_mode not in ("ddp", "fsdp"):
@@ -148,6 +152,9 @@ class Layout:
         if others:
             raise DuokaError(f"cp={self.cp} does not combine with {', '.join(others)} (the trainer refuses it)",
                              "plan cp with fsdp or hsdp only, or cp=1")
+        if self.cp_method not in CONTEXT_METHODS:
+            raise DuokaError(f"cp_method={self.cp_method!r} is not a context-parallel method",
+                             f"use one of {', '.join(CONTEXT_METHODS)}")
 
     @property
     def world_size(self) -> int:
@@ -188,7 +195,7 @@ class Layout:
         """The layout in words: `fsdp 4 + pp 2 interleaved x2`. compact (for narrow tables): each
         part glued to its size and the parts joined by "+", in the style of `duoka bench --layout`:
         `fsdp4+pp2 interleaved×2`; expert and context parallelism follow the data-parallel part:
-        `fsdp 8 + ep 4`, `fsdp 8 + cp 8`."""
+        `fsdp 8 + ep 4`, `fsdp 8 + cp 8`, `fsdp 8 + cp 4 ulysses` (compact: `cp4-ulysses`)."""
         sp = "" if compact else " "
         parts = []
         if self.dp_mode == "fsdp" and self.dp_replicate > 1:
@@ -200,7 +207,8 @@ class Layout:
         if self.ep > 1:
             parts.append(f"ep{sp}{self.ep}")
         if self.cp > 1:
-            parts.append(f"cp{sp}{self.cp}")
+            parts.append(f"cp{sp}{self.cp}" + (("-" if compact else " ") + "ulysses" if self.cp_method == "ulysses"
+                                                else ""))
         if self.tp > 1:
             parts.append(f"tp{sp}{self.tp}")
         if self.pp > 1:
@@ -215,9 +223,10 @@ class Layout:
         return ("+" if compact else " + ").join(parts) or "single GPU"
 
 
-def layout_from_config(parallel, world_size: int) -> Layout:
+def layout_from_config(parallel, world_size: int, n_heads: int | None = None) -> Layout:
     """The Layout of a [parallel] config section (duoka.config.ParallelConfig) on
-    world_size processes, resolving the -1 (auto) sizes as the trainer does."""
+    world_size processes, resolving the -1 (auto) sizes as the trainer does; cp_method=auto
+    needs the model's n_heads to resolve."""
     tp, pp = parallel.tp, parallel.pp
     if world_size % (tp * pp):
         raise DuokaError(f"tp x pp = {tp * pp} does not divide the {world_size} processes")
@@ -228,9 +237,15 @@ def layout_from_config(parallel, world_size: int) -> Layout:
     else:
         rep = 1 if rep == -1 else rep
         shard = dp_world // rep if shard == -1 else shard
+    method = "allgather"
+    if parallel.cp > 1:
+        if parallel.cp_method == "auto" and n_heads is None:
+            raise DuokaError("parallel.cp_method=auto depends on the model's attention heads",
+                             "pass n_heads, or a config whose cp_method is allgather or ulysses")
+        method = resolve_context_method(parallel.cp_method, parallel.cp, n_heads or 0)
     layout = Layout(parallel.dp_mode, rep, shard, tp, pp, parallel.pp_schedule,
                     parallel.pp_stages_per_rank if pp > 1 else 1, parallel.reshard_after_forward, parallel.ep,
-                    parallel.cp)
+                    parallel.cp, method)
     if layout.world_size != world_size:
         raise DuokaError(f"dp_replicate x dp_shard x tp x pp = {layout.world_size}, but {world_size} processes run")
     return layout
@@ -387,7 +402,7 @@ class MemoryBreakdown:
     phases: dict[str, float] = field(default_factory=dict)  # total at each moment, for this rank
     world_size: int = 1
     host: float = 0.0  # host memory of this rank: an offloaded optimizer's state and pinned copies (not in allocated)
-    context: float = 0.0  # cp: gathered keys/values beyond the rank's own, the mask and SDPA's biases (plan.context)
+    context: float = 0.0  # cp: what its attention's exchange adds (plan.context: gathered K/V, mask, biases; ulysses' buffers)
 
     @property
     def allocated(self) -> float:
@@ -427,7 +442,7 @@ def estimate_memory(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: 
     if micro_batch < 1 or seq_len < 1 or accumulation < 1:
         raise DuokaError("micro_batch, seq_len and accumulation must be >= 1")
     check_moe_layout(args, layout.dp_shard, layout.tp, layout.pp, layout.ep)
-    check_context(args, layout.cp, seq_len)
+    check_context(args, layout.cp, seq_len, layout.cp_method)
     regime = regime_of(layout, bf16)
     if pp_rank is not None:
         if not 0 <= pp_rank < layout.pp:
@@ -667,7 +682,7 @@ def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int
     else:
         grads = _replicated_gradients(share, layout, ac, accumulating, regime)
     # Under cp the rank holds seq_len / cp tokens of each sequence, and the gathered attention's extras.
-    context = context_memory(args, micro_batch, seq_len, layout.cp, low)
+    context = context_memory(args, micro_batch, seq_len, layout.cp, low, layout.cp_method)
     acts = _activations(args, layout, share, pp_rank, micro_batch * seq_len // layout.cp, ac, accumulation, regime,
                         context)
     moments = _moments(grads, acts, opt.step_transient, accumulation)
@@ -686,17 +701,19 @@ def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int
 def training_bytes(args: ModelArgs, micro_batch: int, seq_len: int, dp_shard: int, activation_checkpointing: bool,
                    bf16: bool = True, *, tp: int = 1, pp: int = 1, dp_mode: str | None = None, dp_replicate: int = 1,
                    accumulation: int = 1, pp_schedule: str = "1f1b", pp_stages_per_rank: int | None = None,
-                   optimizer: OptimizerChoice = ADAMW, ep: int = 1, cp: int = 1) -> int:
+                   optimizer: OptimizerChoice = ADAMW, ep: int = 1, cp: int = 1, cp_method: str = "allgather"
+                   ) -> int:
     """Estimated peak allocated bytes per GPU (see estimate_memory). dp_mode defaults to
     fsdp when dp_shard > 1 and to ddp otherwise; pp_stages_per_rank to 2 for the
     interleaved schedules; optimizer to AdamW (optimizer_from_config(cfg.optimizer) gives
     a run's); ep: parallel.ep of a mixture-of-experts model; cp: parallel.cp (each rank
-    then holds seq_len / cp tokens of each of its micro_batch sequences)."""
+    then holds seq_len / cp tokens of each of its micro_batch sequences) and cp_method its
+    method, resolved (ParallelDims.context_method)."""
     mode = dp_mode or ("fsdp" if dp_shard > 1 else "ddp")
     if pp_stages_per_rank is None:
         pp_stages_per_rank = 2 if pp_schedule in ("interleaved_1f1b", "zero_bubble") else 1
     layout = Layout(mode, dp_replicate, dp_shard if mode == "fsdp" else 1, tp, pp, pp_schedule,
-                    pp_stages_per_rank if pp > 1 else 1, ep=ep, cp=cp)
+                    pp_stages_per_rank if pp > 1 else 1, ep=ep, cp=cp, cp_method=cp_method if cp > 1 else "allgather")
     return int(estimate_memory(args, layout, micro_batch, seq_len, activation_checkpointing, accumulation,
                                bf16, optimizer=optimizer).allocated)
 

@@ -34,9 +34,16 @@ from dataclasses import replace
 
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import ModelArgs
-from duoka.plan.context import context_degrees, context_memory, kv_gathered_bytes, searches_context
+from duoka.models.qwen2.context_parallel import ulysses_kv_repeat
+from duoka.plan.context import (
+    context_degrees,
+    context_memory,
+    kv_gathered_bytes,
+    searches_context,
+    ulysses_exchange_bytes,
+)
 from duoka.plan.hardware import HOST_USABLE_FRACTION, Hardware, hardware_notes
-from duoka.plan.layouts import FAMILY_ORDER, enumerate_layouts, simplicity
+from duoka.plan.layouts import FAMILY_ORDER, enumerate_layouts, simplicity, with_cp
 from duoka.plan.memory import GIB, GRAD_BYTES, WEIGHT_BYTES, Layout, MemoryBreakdown, estimate_memory, state_bytes
 from duoka.plan.model_choice import ModelChoice
 from duoka.plan.moe import active_params, expert_split, is_moe
@@ -156,17 +163,18 @@ def _sequence_text(mem: MemoryBreakdown, micro_batch: int, ac: bool, accumulatio
 
 
 def _context_reasons(args: ModelArgs, seq_len: int, ranked: list[Candidate], rejected: list[Candidate],
-                     usable: float) -> list[str]:
+                     hw: Hardware) -> list[str]:
     """Why the first layout splits its sequences: the same layout without cp and with half its
-    cp, slower or too large. One the batch gave no candidate (fewer sequences than its
-    data-parallel ranks) is estimated at one sequence per data-parallel rank."""
-    first = ranked[0]
+    cp, slower or too large; and why by its method (_method_reason). One the batch gave no
+    candidate (fewer sequences than its data-parallel ranks) is estimated at one sequence per
+    data-parallel rank."""
+    first, usable = ranked[0], hw.usable_bytes
     cp = first.layout.cp
     if cp == 1:
         return []
     out = []
     for smaller in (1, cp // 2) if cp > 2 else (1,):
-        lay = replace(first.layout, cp=smaller)
+        lay = with_cp(args, first.layout, smaller)
         name = f"at seq {seq_len} without cp, {lay.describe()}" if smaller == 1 else lay.describe()
         fit = next((c for c in ranked if c.layout == lay), None)
         if fit is not None:
@@ -179,9 +187,34 @@ def _context_reasons(args: ModelArgs, seq_len: int, ranked: list[Candidate], rej
             mem, ac = min(((estimate_memory(args, lay, 1, seq_len, ac, optimizer=first.optimizer), ac)
                            for ac in (True, False)), key=lambda m: m[0].reserved)
             point = (1, ac, 1)
+            if mem.reserved <= usable:  # it fits, but the batch has fewer sequences than its dp ranks
+                batch = first.micro_batch * first.accumulation * first.layout.dp_size
+                out.append(f"{name} fits ({gib_text(mem.reserved)} GiB per GPU at one sequence per data-parallel "
+                           f"rank) but needs a global batch of {lay.dp_size} sequences, not {batch}")
+                continue
         out.append(f"{name} needs {gib_text(mem.reserved)} GiB per GPU ({_sequence_text(mem, *point)}) > "
                    f"{gib_text(usable)} usable")
-    return out
+    return out + [_method_reason(args, first, seq_len, hw)]
+
+
+def _method_reason(args: ModelArgs, first: Candidate, seq_len: int, hw: Hardware) -> str:
+    """Why the first layout's cp runs by its method (parallel.cp_method=auto's choice), and
+    where Ulysses runs, what the all-gather would need at the same point."""
+    lay, heads = first.layout, args.n_heads
+    if lay.cp_method == "allgather":
+        return (f"cp {lay.cp} by all-gather: the model's {heads} attention heads do not divide by {lay.cp}, which "
+                "Ulysses' all-to-all over heads needs")
+    other = replace(lay, cp_method="allgather")
+    point = (first.micro_batch, seq_len)
+    mem = estimate_memory(args, other, *point, first.activation_checkpointing, first.accumulation,
+                          optimizer=first.optimizer)
+    time = estimate_step_time(args, other, *point, first.micro_batch * first.accumulation * lay.dp_size,
+                              first.activation_checkpointing, hw, first.optimizer)
+    fits = "" if mem.reserved <= hw.usable_bytes else f" (> {gib_text(hw.usable_bytes)} usable)"
+    return (f"cp {lay.cp} by Ulysses: the {heads} attention heads divide by {lay.cp}, so attention runs over whole "
+            f"sequences with one GPU's kernels and no dense mask: {gib_text(first.memory.reserved)} GiB per GPU and "
+            f"{first.time.context_parallel_s:.2f} s of all-to-alls per step, where the all-gather needs "
+            f"{gib_text(mem.reserved)} GiB{fits} and {time.context_parallel_s:.2f} s of all-gathers")
 
 
 def explain(ranked: list[Candidate], rejected: list[Candidate], hw: Hardware, context: list[str] | None = None
@@ -331,7 +364,7 @@ def make_plan(model: ModelChoice, hw: Hardware, seq_len: int | None = None, glob
     rejected = _best_per_layout([c for c in candidates if not c.fits], key=lambda c: c.memory.reserved)
     rejected = [c for c in rejected if c.layout not in {r.layout for r in ranked}]
     notes += _plan_notes(args, hw, ranked[0], chosen, seq_len)
-    why = explain(ranked, rejected, hw, _context_reasons(args, seq_len, ranked, rejected, hw.usable_bytes))
+    why = explain(ranked, rejected, hw, _context_reasons(args, seq_len, ranked, rejected, hw))
     return Plan(model, hw, seq_len, global_batch, ranked, sorted(rejected, key=lambda c: simplicity(c.layout)),
                 why, len(candidates), notes, chosen, proposal, alternatives)
 
@@ -366,8 +399,8 @@ def _plan_notes(args: ModelArgs, hw: Hardware, best: Candidate, optimizer: Optim
         speed = ("training.compile, which the trainer leaves off under expert parallelism (auto; its token dispatch "
                  "reads the all-to-all's sizes on the host): this layout runs eager, as estimated")
     if best.layout.cp > 1:
-        speed = ("training.compile, which the trainer leaves off under context parallelism (auto; its gathered "
-                 "attention is checked eager only so far): this layout runs eager, as estimated")
+        speed = ("training.compile, which the trainer leaves off under context parallelism (auto; its "
+                 "attention's exchanges are checked eager only so far): this layout runs eager, as estimated")
     if args.num_params() >= 1e9 and not is_moe(args):  # the trainer refuses float8 for MoE models
         speed += ("; training.float8=tensorwise on GPUs of compute capability 8.9+: +14% (1.5B) to +30% (7B) "
                   "measured, not bit-equal to bf16 (compare the loss curve)")
@@ -379,20 +412,33 @@ def _context_note(args: ModelArgs, best: Candidate, seq_len: int) -> str:
     """What a plan with context parallelism counts and assumes (duoka.plan.context)."""
     lay, t, ac = best.layout, best.time, best.activation_checkpointing
     cp = lay.cp
-    ctx = context_memory(args, 1, seq_len, cp, 2)  # per sequence, bf16
-    kv = 2 * kv_gathered_bytes(args, 1, seq_len)
-    kept = "only the recomputed layer's, with checkpointing" if ac else f"all {args.n_layers} layers'"
     fused = (f"; the logits buffers ({gib_text(best.memory.logits)} GiB at the peak) go with "
              "training.fused_loss=true (head and loss chunk by chunk), which this estimate does not model"
              if best.memory.logits else "")
-    return (f"context parallelism: cp {cp} cuts each sequence of {seq_len:,} tokens into {2 * cp} chunks, each GPU "
-            f"holding two ({seq_len // cp:,} tokens, chunks i and {2 * cp - 1}-i, which balances causal attention); "
-            f"every layer all-gathers the whole sequence's keys and values ({kv / 2**20:,.0f} MiB per sequence) and "
-            f"reduce-scatters their gradients: {t.context_parallel_s:.2f} s of the {t.total_s:.2f} s step, on the "
+    head = (f"context parallelism: cp {cp} cuts each sequence of {seq_len:,} tokens into {2 * cp} chunks, each GPU "
+            f"holding two ({seq_len // cp:,} tokens, chunks i and {2 * cp - 1}-i, which balances causal attention); ")
+    tail = (f"; fp32 weights, gradients and optimizer state shard over all {lay.fsdp_size} FSDP ranks, cp ranks "
+            f"included{fused}; ")
+    if lay.cp_method == "ulysses":
+        qkv, out = ulysses_exchange_bytes(args, cp, 1, seq_len)
+        repeat = ulysses_kv_repeat(args.n_kv_heads, cp)
+        kv = (f", its {args.n_kv_heads} KV heads repeated x{repeat} to divide by {cp}" if repeat > 1 else "")
+        return (head + f"by Ulysses every layer sends each GPU's q, k and v to the GPU of their heads "
+                f"({args.n_heads // cp} query heads each{kv}; {qkv / 2**20:,.0f} MiB per sequence from each GPU) and "
+                f"attention's output back ({out / 2**20:,.0f} MiB), backward the opposite: {t.context_parallel_s:.2f} s "
+                f"of the {t.total_s:.2f} s step, on the critical path; attention runs over the whole sequence with "
+                "one GPU's kernels, causal or varlen for packed documents (training.document_masking_kernel=auto on "
+                "CUDA; sdpa would build a dense mask of the whole sequence), so no mask or bias is held" + tail
+                + "the attention compute counts every score, as the all-gather's, though the causal kernels skip "
+                "about half; the cp estimates are not yet checked against a GPU")
+    ctx = context_memory(args, 1, seq_len, cp, 2)  # per sequence, bf16
+    kv = 2 * kv_gathered_bytes(args, 1, seq_len)
+    kept = "only the recomputed layer's, with checkpointing" if ac else f"all {args.n_layers} layers'"
+    return (head + f"every layer all-gathers the whole sequence's keys and values ({kv / 2**20:,.0f} MiB per sequence) "
+            f"and reduce-scatters their gradients: {t.context_parallel_s:.2f} s of the {t.total_s:.2f} s step, on the "
             f"critical path; the attention mask is dense, {gib_text(ctx.mask)} GiB of booleans per sequence"
             f"{' (kept by the checkpointed blocks until backward)' if ac else ''}, and SDPA turns it into a bf16 bias "
-            f"in every layer ({gib_text(ctx.bias)} GiB, saved for that layer's backward: {kept}); fp32 weights, "
-            f"gradients and optimizer state shard over all {lay.fsdp_size} FSDP ranks, cp ranks included{fused}; "
+            f"in every layer ({gib_text(ctx.bias)} GiB, saved for that layer's backward: {kept})" + tail +
             "assumes SDPA runs cuDNN's fused attention, the one kernel that takes a mask with grouped-query heads "
             "(PyTorch's first choice on H100/H200 with cuDNN > 9.15): its math fallback would hold the scores, "
             "hundreds of GiB per layer; the cp estimates are not yet checked against a GPU")

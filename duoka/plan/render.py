@@ -87,7 +87,8 @@ def render(plan: Plan, console, top: int = 10) -> None:
               "gathered_parameters": "bf16 weights (gathered / cast)", "activations": "activations",
               "logits": "logits + cross-entropy", "communication": "communication buffers",
               "optimizer_step": "optimizer step's temporaries",
-              "context": "cp: gathered keys/values, attention mask and bias"}
+              "context": ("cp: repeated KV heads, all-to-all buffers" if best.layout.cp_method == "ulysses"
+                          else "cp: gathered keys/values, attention mask and bias")}
     for key, value in best.memory.parts().items():
         if key not in ("optimizer_step", "context") or value:
             mem.add_row(labels[key], gib_text(value))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from duoka.config import toml_value
 from duoka.plan.hardware import Hardware
 from duoka.plan.layouts import family
 from duoka.plan.memory import GIB, Layout, MemoryBreakdown
@@ -49,7 +50,8 @@ class Candidate:
              "parallel": {"dp_mode": lay.dp_mode, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard,
                           "tp": lay.tp, "pp": lay.pp, "pp_schedule": lay.pp_schedule,
                           "pp_stages_per_rank": lay.stages_per_rank,
-                          "reshard_after_forward": lay.reshard_after_forward, "ep": lay.ep, "cp": lay.cp},
+                          "reshard_after_forward": lay.reshard_after_forward, "ep": lay.ep, "cp": lay.cp,
+                          "cp_method": lay.cp_method},
              "micro_batch": self.micro_batch, "accumulation": self.accumulation,
              "activation_checkpointing": self.activation_checkpointing, "optimizer": self.optimizer.config(),
              "fits": self.fits, "peak_allocated_gib": round(self.memory.allocated / GIB, 2),
@@ -106,15 +108,6 @@ class Plan:
         }
 
 
-def toml_value(v) -> str:
-    """A config value as TOML writes it."""
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
 def optimizer_keys(opt: OptimizerChoice) -> str:
     """The settings that select `opt`, as the plan names them: `optimizer.name = "adamw8bit", ...`."""
     return ", ".join(f"optimizer.{k} = {toml_value(v)}" for k, v in opt.config().items())
@@ -151,7 +144,7 @@ def plan_toml(plan: Plan) -> str:
     if lay.ep > 1:
         par["ep"] = lay.ep
     if lay.cp > 1:
-        par["cp"] = lay.cp
+        par.update(cp=lay.cp, cp_method=lay.cp_method)
     if lay.pp > 1:
         par.update(pp_schedule=lay.pp_schedule, pp_stages_per_rank=lay.stages_per_rank, pp_layers="even",
                    pp_microbatches=c.accumulation)

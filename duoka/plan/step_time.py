@@ -48,7 +48,9 @@ absolute figure assumes a well-fed GPU and is no benchmark):
   each attending over the whole sequence (the chunk layout balances causal attention), so
   its compute is 1 / cp of a sequence's; per layer and micro-batch, 4 all-gathers or
   reduce-scatters of the whole sequence's keys or values over the cp neighbours (6 under
-  checkpointing), on the critical path. FSDP2 shards over all of dp_shard as without cp.
+  checkpointing), or by Ulysses 2 all-to-alls of the rank's tokens' q/k/v and output forward,
+  2 backward (3 and 3 under checkpointing), on the critical path. FSDP2 shards over all of
+  dp_shard as without cp.
 Ignored: kernel contention between NCCL and compute, CPU launch overhead of tiny models,
 data loading, stragglers and failures (which grow with the job: see
 duoka.plan.hardware.CHECKED_GPUS). GEMM_EFFICIENCY, TP_BLOCK_OVERHEAD_S and FSDP_UNIT_S are
@@ -98,13 +100,13 @@ class StepTime:
     dp_latency_s: float = 0.0  # the latency part of data_parallel_s (collective launches, ring steps)
     dp_across_nodes: bool = False  # some dp group spans nodes (its bandwidth is the network's)
     expert_parallel_s: float = 0.0  # a MoE model's token all-to-alls under ep (on the critical path)
-    context_parallel_s: float = 0.0  # cp's key/value all-gathers and reduce-scatters (on the critical path)
+    context_parallel_s: float = 0.0  # cp's exchanges: K/V all-gathers and reduce-scatters, or all-to-alls (critical path)
 
     def overheads(self) -> dict[str, float]:
         """Seconds of the step beyond the matmuls, by cause (what limits scaling)."""
         return {"dp comm": self.exposed_dp_s, "tp": self.tensor_parallel_s, "pp bubble": self.bubble_s,
                 "pp sends": self.pipeline_p2p_s, "fsdp hooks": self.fsdp_overhead_s, "optimizer": self.optimizer_s,
-                "ep all-to-all": self.expert_parallel_s, "cp all-gather": self.context_parallel_s}
+                "ep all-to-all": self.expert_parallel_s, "cp exchange": self.context_parallel_s}
 
     def limit(self) -> tuple[str, float]:
         """(the largest overhead, named so a reader knows what to change; its share of the step).
@@ -169,7 +171,7 @@ class _MicroBatch:
     rank_layers: int  # decoder layers this rank runs per micro-batch (for per-layer costs)
     units: int  # FSDP units of those layers, the root (embedding, final norm, head) included
     ep_s: float = 0.0  # a MoE model's token all-to-alls
-    cp_s: float = 0.0  # cp's key/value all-gathers and reduce-scatters
+    cp_s: float = 0.0  # cp's exchanges (key/value all-gathers and reduce-scatters, or Ulysses' all-to-alls)
 
     @property
     def total_s(self) -> float:
@@ -205,7 +207,8 @@ def _micro_batch(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int
         units += len(args.moe_layers)
     fsdp_mb = kern.fsdp_unit_s * passes * units if layout.fsdp else 0.0
     # cp groups are neighbouring dp_shard ranks (duoka.parallel.dims.context_mesh)
-    cp_mb = context_traffic_s(args, layout.cp, micro_batch, seq_len, ac, fab, mesh_strides(layout)["dp_shard"])
+    cp_mb = context_traffic_s(args, layout.cp, micro_batch, seq_len, ac, fab, mesh_strides(layout)["dp_shard"],
+                              layout.cp_method)
     return _MicroBatch(compute_mb, tp_mb, fsdp_mb, rank_layers, units, _all_to_all_mb(args, layout, tokens_mb, ac, hw),
                        cp_mb)
 
@@ -353,7 +356,7 @@ def estimate_step_time(args: ModelArgs, layout: Layout, micro_batch: int, seq_le
                        ac: bool, hw: Hardware, optimizer: OptimizerChoice = ADAMW) -> StepTime:
     """Seconds per optimizer step on one GPU, by the cost model in the module docstring."""
     check_moe_layout(args, layout.dp_shard, layout.tp, layout.pp, layout.ep)
-    check_context(args, layout.cp, seq_len)
+    check_context(args, layout.cp, seq_len, layout.cp_method)
     pp, v = layout.pp, layout.stages_per_rank
     per_rank = global_batch // layout.dp_size
     m = per_rank // micro_batch  # micro-batches per step (the pipeline's under pp)

@@ -102,7 +102,8 @@ def auto_micro_batch(cfg, dims: ParallelDims, args: ModelArgs, device: torch.dev
                                      free + torch.cuda.memory_allocated(device), tp=dims.tp, pp=dims.pp,
                                      dp_mode=par.dp_mode, dp_replicate=dims.dp_replicate,
                                      pp_schedule=par.pp_schedule, pp_stages_per_rank=par.pp_stages_per_rank,
-                                     optimizer=optimizer_from_config(cfg.optimizer), ep=dims.ep, cp=dims.cp)
+                                     optimizer=optimizer_from_config(cfg.optimizer), ep=dims.ep, cp=dims.cp,
+                                     cp_method=dims.context_method(args.n_heads))
     t = torch.tensor([mb], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())

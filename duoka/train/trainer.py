@@ -87,7 +87,8 @@ class Trainer:
         coords = dims.coordinates(self.rank)
         self.dp_rank, self.dp_size = dims.dp_rank(self.rank), dims.dp_size
         # Context parallelism: this rank's cp group, which splits each sequence of its batch.
-        self.context = (ContextGroup(dims.context_mesh(device.type)["cp"].get_group(), dims.cp, dims.cp_rank(self.rank))
+        self.context = (ContextGroup(dims.context_mesh(device.type)["cp"].get_group(), dims.cp, dims.cp_rank(self.rank),
+                                     dims.context_method(self.args.n_heads))
                         if dims.cp > 1 else None)
         # Ranks that differ only in tp or pp coordinate see the same data; one of each such
         # group counts its tokens and loss in the metrics: tp rank 0 of the last pp stage.
@@ -206,14 +207,16 @@ class Trainer:
         """This rank's micro-batches of the step, built on the host by the data thread. Under
         pp the model derives varlen offsets from the document ids itself (the schedule splits
         the batch and cannot split offsets by sample)."""
-        varlen = self.options.document_masking == "varlen" and self.dims.pp == 1 and self.context is None
+        # Ulysses attends over the whole sequence: its varlen offsets are the unsplit batch's.
+        varlen = (self.options.document_masking == "varlen" and self.dims.pp == 1
+                  and (self.context is None or self.context.method == "ulysses"))
         offset, sizes = self.balance.plan(step, self.dp_rank)
         batches = [step_inputs(b, IGNORE_INDEX, self.eot, varlen,
                                always_positions=self.dims.model_parallel or self.context is not None)
                    for b in share_batches(self.data, step, self.cfg.training.global_batch_size, offset, sizes,
                                           self.cfg.training.seed)]
         if self.context is not None:  # every cp rank drew the group's batch: each keeps its chunks
-            batches = [shard_sequence(b, self.context.size, self.context.rank) for b in batches]
+            batches = [shard_sequence(b, self.context) for b in batches]
         return batches
 
     # ------------------------------------------------------------------ one step
@@ -480,7 +483,7 @@ class Trainer:
         return (f"[bold]duoka train[/] {self.args.num_params() / 1e6:.1f}M parameters"
                 + (f" (LoRA rank {self.lora.rank}: {trainable_numel(self.model) / 1e6:.2f}M trained)" if self.lora
                    else "")
-                + f" | {self.dims.describe()} on "
+                + f" | {self.dims.describe()}" + (f" ({self.context.method})" if self.context else "") + " on "
                 f"{self.world} x {self.device.type} | {str(self.compute_dtype).removeprefix('torch.')}"
                 + (f" + float8 {cfg.training.float8} matmuls" if cfg.training.float8 != "none" else "")
                 + (" | compiled" if self.compiled else "")

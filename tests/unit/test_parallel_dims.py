@@ -1,10 +1,18 @@
 """Layout arithmetic and the checks that refuse impossible layouts (no processes)."""
 
 import pytest
+import torch
 
 from duoka.config import ParallelConfig
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import FLAVORS, ModelOptions
+from duoka.models.qwen2.context_parallel import (
+    CONTEXT_METHODS,
+    ContextGroup,
+    resolve_context_method,
+    shard_sequence,
+    ulysses_kv_repeat,
+)
 from duoka.models.qwen2.stages import layer_counts, stage_ids
 from duoka.parallel.dims import ParallelDims
 from duoka.parallel.pipeline import build_stage_model
@@ -82,3 +90,34 @@ def test_measured_split_balances_the_timed_costs():
     assert balanced_counts(10, 2, 1.0, 3.0) == [7, 3]  # largest stage 7 either way; ties favour the head's
     assert balanced_counts(12, 3, 1.0, 0.0) == [4, 4, 4]
     assert sum(balanced_counts(24, 4, 1.0, 9.0)) == 24
+
+
+def test_the_context_method_follows_the_heads():
+    """parallel.cp_method: auto takes Ulysses where the query heads divide by cp (whole heads per
+    rank), else the all-gather; Ulysses asked for where they do not is refused, naming the fix."""
+    assert [resolve_context_method("auto", cp, 28) for cp in (2, 4, 7, 8)] == \
+        ["ulysses", "ulysses", "ulysses", "allgather"]
+    assert resolve_context_method("allgather", 4, 28) == "allgather"
+    with pytest.raises(DuokaError, match="does not divide 28") as e:
+        resolve_context_method("ulysses", 8, 28)
+    assert "parallel.cp_method=allgather" in e.value.fix and "2, 4, 7, 14, 28" in e.value.fix
+    # KV heads fewer than cp (or not dividing by it) are repeated up to lcm(kv heads, cp).
+    assert [ulysses_kv_repeat(kv, cp) for kv, cp in ((4, 4), (4, 2), (2, 4), (4, 8), (4, 6))] == [1, 1, 2, 2, 3]
+    d = dims(8, dp_mode="fsdp", cp=8, cp_method="ulysses")
+    with pytest.raises(DuokaError, match="parallel.cp_method=ulysses"):
+        d.check_model(28, 4, 28)  # before any worker starts: resolve_run calls it
+    assert dims(8, dp_mode="fsdp", cp=4).context_method(28) == "ulysses"
+    assert dims(8, dp_mode="fsdp", cp=8).context_method(28) == "allgather"
+
+
+def test_ulysses_keeps_the_whole_sequences_varlen_offsets():
+    """shard_sequence cuts every [batch, seq] tensor to the rank's chunks; cu_seqlens, which
+    describes the whole sequence, stays for Ulysses (its attention sees the whole sequence in
+    order) and goes for the all-gather (its dense mask replaces it)."""
+    tokens = torch.arange(16).view(1, 16)
+    batch = {"tokens": tokens, "labels": tokens + 100, "cu_seqlens": torch.tensor([0, 5, 16], dtype=torch.int32)}
+    for method in CONTEXT_METHODS:
+        local = shard_sequence(batch, ContextGroup(None, 2, 1, method))
+        assert local["tokens"].tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]  # chunks 1 and 2 of 4
+        assert local["labels"].tolist() == [[104, 105, 106, 107, 108, 109, 110, 111]]
+        assert ("cu_seqlens" in local) == (method == "ulysses")

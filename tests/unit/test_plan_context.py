@@ -19,8 +19,10 @@ from duoka.plan.context import (
     CONTEXT_MIN_SEQ,
     context_degrees,
     context_memory,
+    context_traffic_s,
     kv_gathered_bytes,
     searches_context,
+    ulysses_exchange_bytes,
 )
 from duoka.plan.hardware import Hardware
 from duoka.plan.layouts import enumerate_layouts
@@ -59,10 +61,13 @@ def test_a_128k_sequence_on_8x80_plans_cp_and_fits(yarn_7b, tmp_path):
     # Why: the same layout without cp, estimated at one sequence, is far over the GPU.
     assert "without cp" in plan.why and "> 72.0 usable" in plan.why
     assert any(n.startswith("context parallelism: cp ") and "cuDNN" in n for n in plan.notes)
+    # cp 8 runs by all-gather (auto's choice, written out): Ulysses needs the 28 heads to divide by cp.
+    assert "cp 8 by all-gather: the model's 28 attention heads do not divide by 8" in plan.why
     path = tmp_path / "plan.toml"
     path.write_text(plan.config_toml())
     cfg = load_config(path)
     assert cfg.parallel.cp == best.layout.cp and cfg.training.seq_len % (2 * cfg.parallel.cp) == 0
+    assert cfg.parallel.cp_method == best.layout.cp_method == "allgather"
     assert layout_from_config(cfg.parallel, 8) == best.layout
     dims = ParallelDims.from_config(cfg.parallel, 8)  # the trainer's own checks of cp
     assert (dims.cp, dims.dp_size, dims.fsdp_size) == (best.layout.cp, best.layout.dp_size, best.layout.fsdp_size)
@@ -133,7 +138,9 @@ def test_cp_is_proposed_only_with_fsdp_and_never_for_moe():
     assert {lay.cp for lay in with_cp} == {2, 4, 8, 16}
     assert all(lay.dp_mode == "fsdp" and lay.tp == lay.pp == lay.ep == 1 and lay.dp_shard % lay.cp == 0
                for lay in with_cp)
-    assert {lay.describe(compact=True) for lay in with_cp} >= {"fsdp16+cp8", "hsdp2x8+cp4+noreshard"}
+    assert {lay.describe(compact=True) for lay in with_cp} >= {"fsdp16+cp8", "hsdp2x8+cp4-ulysses+noreshard"}
+    # auto's method: Ulysses where the 28 heads divide by cp (2, 4), the all-gather where not (8, 16)
+    assert all(lay.cp_method == ("ulysses" if lay.cp in (2, 4) else "allgather") for lay in with_cp)
     assert all(lay.cp == 1 for lay in enumerate_layouts(SEVEN, 16, 8))  # without context_seq
     moe = FLAVORS["qwen2-57b-a14b"]
     assert not searches_context(moe, SEQ) and all(lay.cp == 1 for lay in enumerate_layouts(moe, 16, 8, SEQ))
@@ -168,3 +175,71 @@ def test_the_plan_prints_the_cp_memory_row(capsys):
     assert main(["plan", "--model", "qwen2-7b", "--gpus", "8", "--gpu-memory", "80", "--seq", str(SEQ)]) == 0
     out = capsys.readouterr().out
     assert "cp: gathered keys/values, attention mask and bias" in out and "cp = 8" in out
+
+
+def test_ulysses_memory_and_traffic_by_hand():
+    """By Ulysses, SDPA saves the whole sequence's q, k, v and output for 1/cp of the heads: as
+    many elements as the rank's own tokens of every head, except KV heads repeated up to cp;
+    no mask and no bias. A layer's backward holds the exchange's q/k/v gradients twice.
+    Traffic: per layer two all-to-alls (q/k/v, output), forward, backward, recompute."""
+    local = SEQ // 4
+    head = 2 * SEVEN.resolved_head_dim * local  # one head of the rank's tokens, bf16
+    ctx = context_memory(SEVEN, 1, SEQ, 4, 2, "ulysses")  # 4 KV heads over cp 4: none repeated
+    assert (ctx.kv_layer, ctx.mask, ctx.bias, ctx.kv_grad) == (0, 0, 0, 2 * (28 + 2 * 4) * head)
+    small = FLAVORS["qwen2-1.5b"]  # 12 heads, 2 KV heads: each repeated twice over cp 4
+    one = 2 * small.resolved_head_dim * local
+    assert context_memory(small, 1, SEQ, 4, 2, "ulysses").kv_layer == 2 * 2 * one
+    assert ulysses_exchange_bytes(small, 4, 1, SEQ) == ((12 + 2 * 4) * one, 12 * one)
+    gathered = context_memory(SEVEN, 1, SEQ, 4, 2)
+    for ac in (False, True):
+        ulysses, allgather = (estimate_memory(SEVEN, Layout("fsdp", 1, 8, cp=4, cp_method=m), 1, SEQ, ac)
+                              for m in ("ulysses", "allgather"))
+        assert ulysses.context < allgather.context and ulysses.reserved < allgather.reserved
+        assert allgather.context >= (gathered.mask if ac else SEVEN.n_layers * gathered.bias)
+    h = hw(8)
+    qkv, out = ulysses_exchange_bytes(SEVEN, 4, 1, SEQ)
+    for ac, passes in ((False, 2), (True, 3)):
+        assert context_traffic_s(SEVEN, 4, 1, SEQ, ac, h.fabric, 1, "ulysses") == pytest.approx(
+            SEVEN.n_layers * passes * (h.fabric.all_to_all_s(qkv, 4) + h.fabric.all_to_all_s(out, 4)))
+    # What a rank sends stays the same as the sequence and cp double together (72B: 8 KV heads,
+    # none repeated at cp 4 or 8); the all-gather's keys are the whole sequence's, and double.
+    big = FLAVORS["qwen2-72b"]
+    assert ulysses_exchange_bytes(big, 4, 1, SEQ // 2) == ulysses_exchange_bytes(big, 8, 1, SEQ)
+    assert kv_gathered_bytes(big, 1, SEQ) == 2 * kv_gathered_bytes(big, 1, SEQ // 2)
+    with pytest.raises(DuokaError, match="cp_method=allgather"):
+        estimate_memory(SEVEN, Layout("fsdp", 1, 8, cp=8, cp_method="ulysses"), 1, SEQ, True)
+
+
+def test_the_plan_takes_ulysses_where_the_heads_divide_and_says_why(tmp_path, capsys):
+    """Qwen2-1.5B at 131,072 tokens, two sequences on 8 x 80 GiB: cp 4 by Ulysses (12 heads, 3 per
+    GPU; its 2 KV heads repeated to 4), which fits where the all-gather's dense mask and biases
+    would not; the plan gives both methods' memory and traffic, and the config it writes is the
+    trainer's."""
+    h = hw(8)
+    plan = make_plan(resolve_model("qwen2-1.5b"), h, SEQ, 2)
+    best = plan.best
+    assert (best.layout.cp, best.layout.cp_method) == (4, "ulysses") and best.fits
+    assert "cp 4 by Ulysses: the 12 attention heads divide by 4" in plan.why
+    allgather = estimate_memory(plan.model.args, dataclasses.replace(best.layout, cp_method="allgather"),
+                                best.micro_batch, SEQ, best.activation_checkpointing, best.accumulation)
+    assert allgather.reserved > h.usable_bytes >= best.memory.reserved
+    assert f"the all-gather needs {allgather.reserved / GIB:.1f} GiB (> 72.0 usable)" in plan.why
+    note = next(n for n in plan.notes if n.startswith("context parallelism"))
+    assert "by Ulysses" in note and "2 KV heads repeated x2" in note and "no mask or bias" in note
+    path = tmp_path / "plan.toml"
+    path.write_text(plan.config_toml())
+    cfg = load_config(path)
+    assert (cfg.parallel.cp, cfg.parallel.cp_method) == (4, "ulysses")
+    assert layout_from_config(cfg.parallel, 8) == best.layout
+    assert ParallelDims.from_config(cfg.parallel, 8).context_method(plan.model.args.n_heads) == "ulysses"
+    auto = dataclasses.replace(cfg.parallel, cp_method="auto")  # auto resolves to what the plan wrote
+    assert layout_from_config(auto, 8, plan.model.args.n_heads) == best.layout
+    assert plan.to_dict()["ranked"][0]["parallel"]["cp_method"] == "ulysses"
+    from duoka.cli import main
+
+    assert main(["plan", "--model", "qwen2-1.5b", "--gpus", "8", "--gpu-memory", "80", "--seq", str(SEQ),
+                 "--global-batch", "2"]) == 0
+    out = capsys.readouterr().out
+    # With checkpointing its peak (the loss's backward) holds nothing for cp: no mask, no KV repeat
+    # saved beyond the recomputed block, so the table has no cp row.
+    assert best.memory.context == 0 and "cp: " not in out and 'cp_method = "ulysses"' in out

@@ -41,7 +41,7 @@ from duoka.models.lora import (
 )
 from duoka.models.loss import IGNORE_INDEX, chunked_cross_entropy
 from duoka.models.qwen2.args import DOCUMENT_MASKING, ModelArgs, ModelOptions
-from duoka.models.qwen2.context_parallel import ContextGroup, ContextMask, context_mask
+from duoka.models.qwen2.context_parallel import ContextGroup, ContextMask, UlyssesMask, context_mask, ulysses_mask
 from duoka.models.qwen2.moe import MoE, RoutingRecorder, RoutingStats, load_balancing_loss
 from duoka.models.qwen2.paged import PagedBatch, causal_varlen, paged_attention
 from duoka.models.qwen2.rope import apply_rope, rope_cos_sin
@@ -211,7 +211,8 @@ class Attention(nn.Module):
         self._body = compiled_body(self._attend, options.compile == "parts", options.compile_dynamic)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], mask=None) -> torch.Tensor:
-        """x [batch, seq, dim]; rope: (cos, sin); mask: None (causal), a document mask, or a
+        """x [batch, seq, dim]; rope: (cos, sin); mask: None (causal), a document mask, a
+        context-parallel forward's ContextMask or UlyssesMask (x is then this rank's tokens), or a
         serving step's PagedBatch for this layer (x is then the step's tokens as one row)."""
         return self._body(x, rope, mask)
 
@@ -233,29 +234,41 @@ class Attention(nn.Module):
         k = k.view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         v = v.view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        gqa = q.shape[1] != k.shape[1]
         if isinstance(mask, PagedBatch):
             return self.wo(paged_attention(q, k, v, mask))
         if isinstance(mask, ContextMask):  # every cp rank's keys and values, this rank's queries
-            k, v = mask.gather(k), mask.gather(v)
-            if gqa and q.is_cuda:
-                # The CUDA kernels that take a mask do not take grouped heads (flash takes no
-                # mask, memory-efficient no GQA; the fallback would keep every score): repeat
-                # the KV heads instead: the whole sequence's keys and values at the query heads' count.
-                repeat = q.shape[1] // k.shape[1]
-                k, v, gqa = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1), False
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.allowed, enable_gqa=gqa)
-            return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+            return self.wo(self._gathered_attention(q, k, v, mask).transpose(1, 2).reshape(bsz, seqlen, -1))
+        if isinstance(mask, UlyssesMask):  # every token of this cp rank's heads, as in one process
+            q, k, v = mask.heads_to_sequence(q, k, v)
+            return self.wo(mask.sequence_to_heads(self._sequence_attention(q, k, v, mask.inner)))
+        return self.wo(self._sequence_attention(q, k, v, mask).transpose(1, 2).reshape(bsz, seqlen, -1))
+
+    def _sequence_attention(self, q, k, v, mask) -> torch.Tensor:
+        """Attention over whole sequences: q [b, heads, seq, d], k and v [b, kv heads, seq, d];
+        mask None (causal), a document mask (dense, BlockMask or Varlen) -> [b, heads, seq, d]."""
+        gqa = q.shape[1] != k.shape[1]
         if mask is None:  # plain causal attention: the fused kernels' fast path
             with sdpa_kernel(self.sdpa_backend) if self.sdpa_backend is not None else contextlib.nullcontext():
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        elif isinstance(mask, BlockMask):
-            out = _flex(q)(q, k, v, block_mask=mask, enable_gqa=gqa)
-        elif isinstance(mask, Varlen):
-            return self.wo(_varlen_attention(q, k, v, mask).reshape(bsz, seqlen, -1))
-        else:  # SDPA's dense document mask
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if isinstance(mask, BlockMask):
+            return _flex(q)(q, k, v, block_mask=mask, enable_gqa=gqa)
+        if isinstance(mask, Varlen):
+            return _varlen_attention(q, k, v, mask).transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)  # SDPA's dense document mask
+
+    @staticmethod
+    def _gathered_attention(q, k, v, mask: ContextMask) -> torch.Tensor:
+        """The all-gather's attention: this rank's queries [b, heads, Lq, d] over every rank's
+        keys and values, under the dense context mask -> [b, heads, Lq, d]."""
+        k, v = mask.gather(k), mask.gather(v)
+        gqa = q.shape[1] != k.shape[1]
+        if gqa and q.is_cuda:
+            # The CUDA kernels that take a mask do not take grouped heads (flash takes no
+            # mask, memory-efficient no GQA; the fallback would keep every score): repeat
+            # the KV heads instead: the whole sequence's keys and values at the query heads' count.
+            repeat = q.shape[1] // k.shape[1]
+            k, v, gqa = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1), False
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.allowed, enable_gqa=gqa)
 
 
 class FeedForward(nn.Module):
@@ -462,7 +475,8 @@ class Qwen2(nn.Module):
         rows paged.logits_indices only, so a long prefill never materialises T x vocab; with
         paged.hidden_indices, (those logits, the final hidden states [P, dim] of those rows).
         context: under context parallelism the group the sequence is split over; tokens,
-        positions, labels and document_ids are then this rank's chunks (context_parallel.py)."""
+        positions, labels and document_ids are then this rank's chunks (context_parallel.py);
+        cu_seqlens, under Ulysses, the whole sequence's."""
         h = self.tok_embeddings(tokens) if self.takes_tokens else tokens
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=h.device)
@@ -471,7 +485,7 @@ class Qwen2(nn.Module):
                             args.max_seq_len)
         mask = paged
         if context is not None:
-            mask = context_mask(context, tokens.shape[1], document_ids, h.device)
+            mask = self._context_mask(context, tokens.shape[1], document_ids, cu_seqlens, h.device)
         elif document_ids is not None:
             mask = document_mask(document_ids, self.options.document_masking, cu_seqlens)
         h, routing = self._layers(h, rope, mask)
@@ -492,6 +506,17 @@ class Qwen2(nn.Module):
         if with_router_aux:
             return out, aux if aux is not None else torch.zeros((), device=h.device)
         return out
+
+    def _context_mask(self, context: ContextGroup, seq_len_local: int, document_ids: torch.Tensor | None,
+                      cu_seqlens: torch.Tensor | None, device: torch.device) -> ContextMask | UlyssesMask:
+        """The attention mask of a context-parallel forward, by the group's method: the
+        all-gather's dense mask, or Ulysses' whole-sequence mask made as without cp (the
+        model's document masking kernel; cu_seqlens, if given, the whole sequence's)."""
+        if context.method == "allgather":
+            return context_mask(context, seq_len_local, document_ids, device)
+        return ulysses_mask(context, seq_len_local, document_ids,
+                            lambda documents: document_mask(documents, self.options.document_masking, cu_seqlens),
+                            device)
 
     def _layers(self, h: torch.Tensor, rope, mask) -> tuple[torch.Tensor, dict[int, RoutingStats]]:
         """The decoder layers; with them, a MoE model's routing statistics of this forward."""
