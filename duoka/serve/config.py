@@ -68,6 +68,11 @@ def parse_lora(text: str) -> tuple[str, str]:
 
 
 _EAGER = {"cuda_graphs": False, "compile": False}
+SPECULATIVE_METHODS = ("draft_model", "ngram")
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is given
+# Above this many running requests a step decodes plainly (speculative_disable_by_batch_size):
+# provisional, to be set from bench/serve_speculative.py's batch sweep on a GPU.
+DEFAULT_SPECULATIVE_MAX_BATCH = 16
 
 
 @dataclass(frozen=True)
@@ -133,6 +138,32 @@ class EngineConfig:
               "device: 7 ms for a 7B model on an H100)",
         flag="--skip-weight-check", commands=(SERVE, GENERATE), switch={"check_weights": False},
         flag_help="load the weights even if a tensor holds NaN or infinity")
+    speculative_model: str | None = option(
+        None, "speculative decoding: a small draft model (folder or hub id) with the model's tokenizer, e.g. "
+              "Qwen2-0.5B-Instruct for Qwen2-7B-Instruct, that proposes --num-speculative-tokens tokens per step; "
+              "the model verifies them in one forward (greedy output unchanged, sampled output of the same "
+              "distribution; tp 1)",
+        flag="--speculative-model", commands=(SERVE, GENERATE))
+    speculative_method: str | None = option(
+        None, "draft_model (implied by --speculative-model) or ngram: propose the tokens that followed the latest "
+              "earlier occurrence of the sequence's last n tokens (prompt lookup, no draft model)",
+        flag="--speculative-method", commands=(SERVE, GENERATE), choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int | None = option(
+        None, "speculative decoding: tokens proposed per sequence and step (K); each step verifies K + 1 tokens "
+              "per sequence in one forward",
+        flag="--num-speculative-tokens", commands=(SERVE, GENERATE))
+    prompt_lookup_max: int | None = option(
+        None, "ngram: the longest n tried first (default: prompt_lookup_min, or 5 when neither is given, as vLLM)",
+        flag="--prompt-lookup-max", commands=(SERVE, GENERATE))
+    prompt_lookup_min: int | None = option(
+        None, "ngram: the shortest n tried (default: prompt_lookup_max, or 5 when neither is given, as vLLM)",
+        flag="--prompt-lookup-min", commands=(SERVE, GENERATE))
+    speculative_disable_by_batch_size: int = option(
+        DEFAULT_SPECULATIVE_MAX_BATCH,
+        "speculate only in steps that start with at most this many running requests: above it the K + 1 "
+        "tokens verified per request cost more than the accepted ones save (vLLM's speculative_disable_by_"
+        "batch_size; the default is provisional until bench/serve_speculative.py's GPU sweep sets it)",
+        flag="--speculative-disable-by-batch-size", commands=(SERVE,))
 
     def __post_init__(self):
         if self.tp < 1:
@@ -144,11 +175,60 @@ class EngineConfig:
             raise DuokaError("block size, max_num_seqs and max_num_batched_tokens must be at least 1",
                              "leave them at their defaults (16, 256, 8192) unless you are tuning")
         # Plain strings, whatever path type the caller had: the config travels between processes.
-        for name in ("model", "adapter"):
+        for name in ("model", "adapter", "speculative_model"):
             value = getattr(self, name)
             if isinstance(value, Path):
                 object.__setattr__(self, name, str(value))
         object.__setattr__(self, "loras", _checked_loras(self.loras))
+        self._check_speculative()
+
+    @property
+    def speculation(self) -> str | None:
+        """The speculative method in use: "draft_model", "ngram", or None (plain decoding)."""
+        if self.speculative_method is not None:
+            return self.speculative_method
+        return "draft_model" if self.speculative_model is not None else None
+
+    @property
+    def prompt_lookup(self) -> tuple[int, int]:
+        """ngram's (shortest, longest) n: one given sets the other, neither gives vLLM's 5 and 5."""
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        return (low or high or DEFAULT_PROMPT_LOOKUP, high or low or DEFAULT_PROMPT_LOOKUP)
+
+    def _check_speculative(self) -> None:
+        method, k = self.speculation, self.num_speculative_tokens
+        if self.speculative_model is not None and method != "draft_model":
+            raise DuokaError(f"--speculative-model is a draft model, but --speculative-method is {method}",
+                             "drop --speculative-model for ngram, or --speculative-method for the draft model")
+        if method is None:
+            if k is not None or self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+                raise DuokaError("speculative options are given without a speculative method",
+                                 "add --speculative-model DRAFT or --speculative-method ngram")
+            return
+        if method == "draft_model" and self.speculative_model is None:
+            raise DuokaError("--speculative-method draft_model needs the draft model",
+                             "give it with --speculative-model DRAFT (a small model with this model's tokenizer)")
+        if k is None or k < 1:
+            raise DuokaError(f"speculative decoding needs --num-speculative-tokens of at least 1 (got {k})",
+                             "give the tokens to propose per step, e.g. --num-speculative-tokens 4")
+        if k + 1 > self.max_num_batched_tokens:
+            raise DuokaError(f"--num-speculative-tokens {k} verifies {k + 1} tokens a step, more than "
+                             f"--max-num-batched-tokens {self.max_num_batched_tokens}",
+                             "lower --num-speculative-tokens or raise --max-num-batched-tokens")
+        if method == "ngram":
+            low, high = self.prompt_lookup
+            if not 1 <= low <= high:
+                raise DuokaError(f"--prompt-lookup-min {low} and --prompt-lookup-max {high} are not 1 <= min <= max",
+                                 "give n-gram lengths such as --prompt-lookup-min 2 --prompt-lookup-max 5")
+        elif self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+            raise DuokaError("--prompt-lookup-min/max apply to --speculative-method ngram only",
+                             "drop them, or use --speculative-method ngram")
+        if method == "draft_model" and self.tp > 1:
+            raise DuokaError("a speculative draft model with tensor parallelism is not supported yet",
+                             "serve with --tp 1, or use --speculative-method ngram (no draft model)")
+        if self.speculative_disable_by_batch_size < 1:
+            raise DuokaError(f"--speculative-disable-by-batch-size {self.speculative_disable_by_batch_size} must be "
+                             "at least 1", "give the largest running batch that still speculates, e.g. 16")
 
     @classmethod
     def from_options(cls, **options) -> EngineConfig:

@@ -26,9 +26,12 @@ from duoka.serve.config import EngineConfig
 from duoka.serve.detok import IncrementalDetokenizer
 from duoka.serve.params import RequestOutput, SamplingParams, TokenLogprob
 from duoka.serve.prompt_logprobs import prompt_rows
+from duoka.serve.proposers import check_draft_tokenizer, default_proposer
 from duoka.serve.runner import CacheShape, ModelRunner, decode_first, prepare_inputs
 from duoka.serve.sampling import SampleRow
 from duoka.serve.scheduler import ScheduledBatch, Scheduler, SeqStatus, Sequence
+from duoka.serve.spec_verify import VerifyResult
+from duoka.serve.speculative import ProposerFactory, SpecStep, Speculator
 from duoka.serve.structured import GrammarRows
 from duoka.serve.worker import RunnerFactory, Worker
 
@@ -52,6 +55,22 @@ class EngineStats:
     prompt_tokens: int  # prompt tokens computed (cumulative; cached ones excluded)
     generation_tokens: int  # tokens sampled (cumulative)
     num_preemptions: int  # sequences preempted for lack of blocks, to be recomputed (cumulative)
+    # Speculative decoding (cumulative; 0 without it), as vLLM's spec_decode counters:
+    spec_drafts: int = 0  # sequence-steps that verified at least one draft token
+    spec_draft_tokens: int = 0  # draft tokens verified
+    spec_accepted_tokens: int = 0  # of which the model accepted
+    spec_steps_off: int = 0  # steps decoded plainly: more requests running than speculative_disable_by_batch_size
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Accepted draft tokens over draft tokens verified (0 before any)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens a speculating sequence gains per verification: 1 + accepted per draft (vLLM's
+        mean acceptance length, the token after the accepted ones included; 0 before any)."""
+        return 1 + self.spec_accepted_tokens / self.spec_drafts if self.spec_drafts else 0.0
 
 
 @dataclass(frozen=True)
@@ -117,10 +136,12 @@ class LLMEngine:
 
     tp_group: the tensor-parallel group, when config.tp > 1 (default: the whole world).
     runner_factory: builds the Worker's runner (serve.worker.RunnerFactory; a benchmark of
-    the host's work passes one whose execute returns logits without a model)."""
+    the host's work passes one whose execute returns logits without a model).
+    proposer_factory: builds the speculative proposer from the config and the started Worker
+    (under speculation; a benchmark passes a draft of controlled agreement)."""
 
     def __init__(self, config: EngineConfig, *, tp_group: dist.ProcessGroup | None = None, log=_log,
-                 runner_factory: RunnerFactory = ModelRunner):
+                 runner_factory: RunnerFactory = ModelRunner, proposer_factory: ProposerFactory = default_proposer):
         self.config = config
         self.log = log
         worker = self.worker = Worker(config, tp_group=tp_group, log=log, runner_factory=runner_factory)
@@ -138,6 +159,8 @@ class LLMEngine:
                              "give the adapter another name, or the base one with --served-model-name")
         # Before the load, which takes minutes for a large model: a folder without a tokenizer fails at once.
         self.tokenizer: Tokenizer = load_tokenizer(self.folder)
+        if worker.draft_folder is not None:
+            check_draft_tokenizer(self.tokenizer, worker.draft_folder, self.folder)
         worker.start()
         self.shape: CacheShape = worker.shape
         args = worker.args
@@ -150,7 +173,12 @@ class LLMEngine:
         self.eos_ids = frozenset(stop_ids)
         self.blocks = BlockManager(self.shape.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
-                                   self.eos_ids)
+                                   self.eos_ids, config.num_speculative_tokens or 0,
+                                   config.speculative_disable_by_batch_size)
+        self.speculator = None
+        if config.speculation is not None:
+            self.speculator = Speculator(proposer_factory(config, worker), worker.sampler, self.shape.block_size,
+                                         lambda request_id: self._requests[request_id][2])
         self.vocab_size = args.vocab_size
         self.limits = RequestLimits(args.vocab_size, self.max_model_len, self.shape.block_size, self.shape.num_blocks)
         gen = self.tokenizer.generation_config
@@ -171,6 +199,7 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._preemptions = 0
+        self._spec_steps_off = 0
 
     # ---------------------------------------------------------------- requests
     def make_params(self, **overrides) -> SamplingParams:
@@ -216,6 +245,8 @@ class LLMEngine:
             return
         seq = entry[0]
         self.scheduler.abort(request_id)
+        if self.speculator is not None:
+            self.speculator.forget(request_id)
         self.grammars.drop(request_id)
         self._prompt_logprobs.pop(request_id, None)
         if seq in self._compiling:
@@ -239,6 +270,7 @@ class LLMEngine:
             outputs += self._admit_compiled()
         batch: ScheduledBatch = self.scheduler.schedule()
         self._preemptions += len(batch.preempted)
+        self._spec_steps_off += batch.speculation_off
         if batch.items:
             self._launch(batch)
         if self._accepts:  # no step launched: the grammars still advance
@@ -246,20 +278,13 @@ class LLMEngine:
         if not batch.items and self._compiling and self._in_flight is None and not landed:
             self.grammars.wait(GRAMMAR_WAIT_S)  # nothing to run until a grammar compiles: no busy loop
         requests = self._requests
-        for seq, token, logprob in landed:
+        for seq, tokens, logprobs in landed:
             if seq.request_id in requests:  # not aborted since
-                outputs.append(self._output(seq, token, logprob))
+                outputs.append(self._output(seq, tokens, logprobs))
         return outputs
 
     def _launch(self, batch: ScheduledBatch) -> None:
         items = decode_first(batch.items)
-        inputs = prepare_inputs(items, self.shape.block_size)
-        prompt = prompt_rows(items) if self._prompt_logprobs else None
-        scored = None
-        if prompt is None:  # under tensor parallelism, the step is sent to the other ranks first
-            logits = self.worker.execute(inputs)
-        else:
-            logits, scored = self.worker.execute_with_prompt(inputs, prompt)
         requests = self._requests
         rows, ids = [], []
         prompt_tokens = 0
@@ -273,6 +298,18 @@ class LLMEngine:
                 rows.append(row)
                 ids.append(seq.request_id)
         self._prompt_tokens += prompt_tokens
+        prompt = prompt_rows(items) if self._prompt_logprobs else None
+        # Speculation stays out of a step that scores prompt rows (their rows follow the plain layout).
+        spec = self.speculator.plan(items) if self.speculator is not None and prompt is None else None
+        if spec is not None:
+            self._launch_verify(batch, spec)
+            return
+        inputs = prepare_inputs(items, self.shape.block_size)
+        scored = None
+        if prompt is None:  # under tensor parallelism, the step is sent to the other ranks first
+            logits = self.worker.execute(inputs)
+        else:
+            logits, scored = self.worker.execute_with_prompt(inputs, prompt)
         # The grammars advance and the constrained rows' masks are filled on the host while the
         # device runs the forward (a JSON mask: ~10-40 us a row for Qwen2's vocabulary).
         if self._accepts:
@@ -282,13 +319,23 @@ class LLMEngine:
         sample = self.worker.sample(logits, rows, masks) if rows else None
         self._in_flight = (batch, ids, sample, scored)
 
-    def _land(self) -> list[tuple[Sequence, int | None, TokenLogprob | None]]:
+    def _launch_verify(self, batch: ScheduledBatch, spec: SpecStep) -> None:
+        """A speculative step: the forward over every row, then the verification on the device."""
+        logits = self.worker.execute(spec.inputs)
+        if self._accepts:
+            self._accept_landed()
+        masks = self.grammars.fill(list(zip(spec.first_rows, spec.ids))) if self.grammars else None
+        self._in_flight = (batch, spec.ids, self.speculator.launch(logits, spec, masks), None, spec)
+
+    def _land(self) -> list[tuple[Sequence, list[int], list[TokenLogprob] | None]]:
         """The step in flight, finished: its tokens appended (the scheduler drops those of
-        sequences finished or aborted meanwhile), as (sequence, token, logprob) to output."""
+        sequences finished or aborted meanwhile), as (sequence, tokens, logprobs) to output."""
         if self._in_flight is None:
             return []
-        batch, ids, pending, scored = self._in_flight
+        batch, ids, pending, scored, *spec = self._in_flight
         self._in_flight = None
+        if spec:
+            return self._land_verified(batch, ids, pending.result(), spec[0])
         sampled, logprobs = {}, {}
         if pending is not None:
             result = pending.result()
@@ -300,12 +347,34 @@ class LLMEngine:
                     self._prompt_logprobs[span.seq.request_id].extend(entries)
         self._generation_tokens += len(sampled)
         # A request that generates nothing lands once, without a token, when its prompt is done.
-        landed = [(seq, sampled.get(seq.request_id), logprobs.get(seq.request_id))
-                  for seq in self.scheduler.update(batch, sampled)]
-        if self.grammars:  # advanced in the next _launch, while the device runs its forward
-            self._accepts = [(seq, token) for seq, token, _ in landed
-                             if token is not None and seq.request_id in self.grammars]
+        landed = []
+        for seq in self.scheduler.update(batch, sampled):
+            token, logprob = sampled.get(seq.request_id), logprobs.get(seq.request_id)
+            landed.append((seq, [] if token is None else [token], None if logprob is None else [logprob]))
+        self._grammar_accepts(landed)
         return landed
+
+    def _land_verified(self, batch: ScheduledBatch, ids: list[str], result: VerifyResult,
+                       spec: SpecStep) -> list[tuple[Sequence, list[int], list[TokenLogprob] | None]]:
+        """A speculative step's landing: each sequence's accepted drafts and the token after them."""
+        self.speculator.count(spec, result)
+        sampled = {rid: tokens[-1] for rid, tokens in zip(ids, result.token_ids)}
+        accepted = {rid: tokens[:-1] for rid, tokens in zip(ids, result.token_ids) if len(tokens) > 1}
+        logprobs = dict(zip(ids, result.logprobs))
+        landed, requests = [], self._requests
+        for seq in self.scheduler.update(batch, sampled, accepted):
+            # What the scheduler appended: a stop or eos among the accepted drafts cut the rest.
+            tokens = seq.output_ids[requests[seq.request_id][2].output_index:] if seq.request_id in sampled else []
+            lps = logprobs.get(seq.request_id)
+            landed.append((seq, tokens, None if lps is None else lps[:len(tokens)]))
+            self._generation_tokens += len(tokens)
+        self._grammar_accepts(landed)
+        return landed
+
+    def _grammar_accepts(self, landed: list[tuple[Sequence, list[int], list | None]]) -> None:
+        if self.grammars:  # advanced in the next _launch, while the device runs its forward
+            self._accepts = [(seq, token) for seq, tokens, _ in landed if seq.request_id in self.grammars
+                             for token in tokens]
 
     def _accept_landed(self) -> None:
         """Advance the constrained requests' grammars by their landed tokens. A grammar that has
@@ -338,34 +407,52 @@ class LLMEngine:
         self._compiling = waiting
         return outputs
 
-    def _output(self, seq: Sequence, token: int | None, logprob: TokenLogprob | None) -> RequestOutput:
-        """The output of one landed token (None: a prompt that generates nothing is done)."""
+    def _output(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None) -> RequestOutput:
+        """The output of one step's landed tokens (none: a prompt that generates nothing is done)."""
         detok = self._requests[seq.request_id][1]
         finished = seq.status is SeqStatus.FINISHED
-        new_ids = [] if token is None else [token]
-        if token is None or (finished and seq.finish_reason == "stop"):  # a stop id: not part of the text
-            text, stop = "", None
-        else:
-            text, stop = detok.push(new_ids)
-            if stop is not None and not finished:
-                self.scheduler.finish(seq, "stop")
-                finished = True
+        # A sequence that landed finished with "stop" ends with its stop id: not part of the text.
+        text_ids = tokens[:-1] if finished and seq.finish_reason == "stop" else tokens
+        text, stop = "", None
+        for i, token in enumerate(text_ids):  # one at a time: a stop string ends the output at its token
+            piece, stop = detok.push([token])
+            text += piece
+            if stop is not None:
+                cut = len(tokens) - i - 1  # accepted speculative tokens after it, which never happened
+                # A sequence that finished with this very token keeps its reason (a length reached too).
+                if not finished or cut:
+                    self.scheduler.finish(seq, "stop")
+                    finished = True
+                if cut:
+                    seq.truncate_output(len(seq.output_ids) - cut)
+                    self._generation_tokens -= cut
+                    tokens = tokens[:i + 1]
+                    logprobs = None if logprobs is None else logprobs[:i + 1]
+                break
         if finished:
             if stop is None:
                 text += detok.flush()
             del self._requests[seq.request_id]
             self.grammars.drop(seq.request_id)
+            if self.speculator is not None:
+                self.speculator.forget(seq.request_id)
         prompt_logprobs = None
-        if seq.params.prompt_logprobs is not None and len(seq.output_ids) <= 1:  # its first output
+        if seq.params.prompt_logprobs is not None and len(seq.output_ids) <= len(tokens):  # its first output
             prompt_logprobs = [None, *self._prompt_logprobs.pop(seq.request_id, ())]
-        return RequestOutput(seq.request_id, new_ids, text, None if logprob is None else [logprob], finished,
-                             seq.finish_reason, len(seq.prompt_ids), len(seq.output_ids), seq.num_cached_tokens,
-                             prompt_logprobs)
+        return RequestOutput(seq.request_id, tokens, text, logprobs, finished, seq.finish_reason, len(seq.prompt_ids),
+                             len(seq.output_ids), seq.num_cached_tokens, prompt_logprobs)
 
     def stats(self) -> EngineStats:
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, self.blocks.usage,
                            self.shape.num_blocks, self.shape.block_size, self.blocks.prefix_queries,
-                           self.blocks.prefix_hits, self._prompt_tokens, self._generation_tokens, self._preemptions)
+                           self.blocks.prefix_hits, self._prompt_tokens, self._generation_tokens, self._preemptions,
+                           *self._spec_figures())
+
+    def _spec_figures(self) -> tuple[int, int, int, int]:
+        if self.speculator is None:
+            return 0, 0, 0, 0
+        c = self.speculator.counters
+        return c.drafts, c.draft_tokens, c.accepted_tokens, self._spec_steps_off
 
     def shutdown(self) -> None:
         """Release the other tensor-parallel ranks (their run_worker returns); nothing at tp 1."""

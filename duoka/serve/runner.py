@@ -23,7 +23,7 @@ from duoka.models.qwen2.multi_lora import adapter_ids_of
 from duoka.models.qwen2.paged import PagedBatch
 from duoka.models.quant.small_batch import save_tuned_configs
 from duoka.serve.sampling import to_device
-from duoka.serve.scheduler import ScheduledItem
+from duoka.serve.scheduler import ScheduledItem, Sequence
 
 # CPU serving is for laptops and tests: without a GPU's memory to fill, the cache takes
 # at most this much of the host's RAM unless --kv-cache-memory says otherwise.
@@ -129,12 +129,7 @@ def prepare_inputs(items: list[ScheduledItem], block_size: int) -> StepInputs:
                                                  for item in items), dtype=np.int64, count=int(query_start[-1]))
         rows = np.repeat(np.arange(n), num_new)
         positions = np.arange(len(tokens)) + (starts - query_start[:-1])[rows]
-    # Tables padded with block 0 to the longest: a row is read only up to its context length.
-    # Each row is one copy of the sequence's int32 table (BlockManager keeps it), not a list.
-    lengths = [len(seq.block_table) for seq in seqs]
-    block_tables = np.zeros((n, max(lengths)), dtype=np.int32)
-    for row, seq, length in zip(block_tables, seqs, lengths):
-        row[:length] = seq.block_array[:length]
+    block_tables = _block_tables(seqs)
     slots = block_tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
     context = starts + num_new
     sample = np.array([item.sample for item in items], dtype=bool)
@@ -160,6 +155,74 @@ def prepare_inputs(items: list[ScheduledItem], block_size: int) -> StepInputs:
         prefill_context=int(context[is_prefill].sum()),
         adapter_ids=adapter_ids,
     )
+
+
+def _block_tables(seqs: list[Sequence]) -> np.ndarray:
+    """int32 [rows, widest table]: each row a copy of its sequence's table (BlockManager's int32
+    block_array, not a list), padded with block 0: a row is read only up to its context length."""
+    lengths = [len(seq.block_table) for seq in seqs]
+    block_tables = np.zeros((len(seqs), max(lengths)), dtype=np.int32)
+    for row, seq, length in zip(block_tables, seqs, lengths):
+        row[:length] = seq.block_array[:length]
+    return block_tables
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Tokens of one sequence computed in a step (speculative decoding's steps, whose tokens are
+    not all in seq.all_ids yet): `tokens` at positions start, start + 1, ..., with logits for
+    the last `logits` of them. flat: one decode row per token, each attending to its context up
+    to itself, which is what the decode kernel and the CUDA graphs run; else one chunk row, as a
+    prefill. A one-token piece is a decode row either way."""
+    seq: Sequence
+    start: int
+    tokens: list[int]
+    flat: bool
+    logits: int
+
+    @property
+    def decode_rows(self) -> bool:
+        return self.flat or len(self.tokens) == 1
+
+
+def pieces_inputs(pieces: list[Piece], block_size: int) -> StepInputs:
+    """StepInputs for `pieces`, decode-row pieces first (the decode kernel takes the leading
+    one-token rows); the logits rows follow the pieces' order and, within one, their tokens'."""
+    rows = []  # (piece, first token, count) per row
+    for piece in pieces:
+        if piece.decode_rows:
+            rows += [(piece, j, 1) for j in range(len(piece.tokens))]
+        else:
+            rows.append((piece, 0, len(piece.tokens)))
+    num_decodes = sum(1 for _, _, count in rows if count == 1)
+    assert all(count == 1 for _, _, count in rows[:num_decodes]), "decode-row pieces come first"
+    seqs = [piece.seq for piece, _, _ in rows]
+    starts = np.array([piece.start + j for piece, j, _ in rows], dtype=np.int64)
+    counts = np.array([count for _, _, count in rows], dtype=np.int64)
+    # Row i's logits: the last want[i] of its tokens, those among its piece's last `logits`.
+    want = np.array([min(count, max(0, j + count - (len(piece.tokens) - piece.logits)))
+                     for piece, j, count in rows], dtype=np.int64)
+    query_start = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(counts, out=query_start[1:])
+    tokens = np.fromiter(chain.from_iterable(piece.tokens[j:j + count] for piece, j, count in rows), dtype=np.int64,
+                         count=int(query_start[-1]))
+    row_of = np.repeat(np.arange(len(rows)), counts)
+    positions = np.arange(len(tokens)) + (starts - query_start[:-1])[row_of]
+    block_tables = _block_tables(seqs)
+    slots = block_tables[row_of, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    context = starts + counts
+    ends = np.repeat(query_start[1:] - want, want)
+    logits_indices = ends + np.arange(int(want.sum())) - np.repeat(np.cumsum(want) - want, want)
+    adapters = [seq.adapter for seq in seqs]
+    return StepInputs(
+        token_ids=torch.from_numpy(tokens), positions=torch.from_numpy(positions),
+        slot_mapping=torch.from_numpy(slots), block_tables=torch.from_numpy(block_tables),
+        context_lens=torch.from_numpy(context.astype(np.int32)),
+        query_start=torch.from_numpy(query_start.astype(np.int32)),
+        logits_indices=torch.from_numpy(logits_indices.astype(np.int64)), max_query_len=int(counts.max()),
+        num_decodes=num_decodes, max_context_len=int(context.max()),
+        prefill_context=int(context[num_decodes:].sum()),
+        adapter_ids=torch.from_numpy(np.array(adapters, dtype=np.int32)[row_of]) if any(adapters) else None)
 
 
 @dataclass(frozen=True)
@@ -334,16 +397,19 @@ class ModelRunner:
 
 
 def cache_shape(model: Qwen2, kv_heads: int, block_size: int, dtype: torch.dtype, kv_bytes: int,
-                max_model_len: int, max_num_seqs: int, num_blocks: int | None = None) -> CacheShape:
+                max_model_len: int, max_num_seqs: int, num_blocks: int | None = None,
+                extra_bytes_per_block: int = 0) -> CacheShape:
     """The cache for kv_bytes, capped at what max_num_seqs sequences of max_model_len can use;
-    num_blocks overrides the size (tests force preemption with a tiny cache)."""
+    num_blocks overrides the size (tests force preemption with a tiny cache). extra_bytes_per_block:
+    what each block also takes elsewhere (a speculative draft model's cache, block for block)."""
     args = model.args
     shape = CacheShape(args.n_layers, 0, block_size, kv_heads, args.resolved_head_dim, dtype)
+    per_block = shape.bytes_per_block + extra_bytes_per_block
     blocks_per_seq = -(-max_model_len // block_size)
     if num_blocks is None:
-        num_blocks = max(0, min(kv_bytes // shape.bytes_per_block, blocks_per_seq * max_num_seqs))
+        num_blocks = max(0, min(kv_bytes // per_block, blocks_per_seq * max_num_seqs))
     if num_blocks < blocks_per_seq:
-        need = blocks_per_seq * shape.bytes_per_block / 2**30
+        need = blocks_per_seq * per_block / 2**30
         raise DuokaError(
             f"the KV cache has room for {num_blocks * block_size} tokens, less than one request of "
             f"--max-model-len {max_model_len} ({need:.2f} GiB)",

@@ -96,6 +96,14 @@ def log_exponential_noise(keys: torch.Tensor, vocab_ids: torch.Tensor) -> torch.
     return v.neg_().log1p_().neg_().log_()  # E = -log(1 - v), fine-grained near 0 through log1p
 
 
+def uniform_noise(keys: torch.Tensor) -> torch.Tensor:
+    """U(0, 1), one per row key: keys int64 [S, 1] -> fp32 [S]. Output 0 of the key's
+    SplitMix64 stream, which the race (outputs 1..V) never reads, so it is independent of the
+    row's race noise: speculative decoding's acceptance test draws it."""
+    z = _mix64_(keys[:, 0].clone())
+    return _shr_logical(z, 1).float().mul_(_TWO_POW_M63).clamp_(_TWO_POW_M63, _V_MAX)
+
+
 def _noise_fn(device: torch.device):
     """On CUDA the ~20 element-wise passes over [S, V] fuse into one kernel (3.3 ms -> 0.2 ms
     at 256 x 152k on an H200, bitwise equal to eager); on CPU inductor would need a C++
@@ -250,15 +258,7 @@ class Sampler:
         device = logits.device
         params = [r.params for r in rows]
         logits = self._process(logits, rows, masks)
-
-        greedy = [p.greedy for p in params]
-        if all(greedy):
-            tokens = logits.argmax(dim=-1)
-        else:
-            tokens = self._race(logits, rows)
-            if any(greedy):
-                is_greedy = _upload(greedy, torch.bool, device)
-                tokens = torch.where(is_greedy, logits.argmax(dim=-1), tokens)
+        tokens = self.draw(logits, rows)
 
         # Logprobs: only the rows that ask pay for a log_softmax over the vocabulary.
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -272,6 +272,52 @@ class Sampler:
                 top_values, top_ids = logprobs.topk(top_k, dim=-1)  # sorted, most likely first
                 packed += [top_values.double().flatten(), top_ids.double().flatten()]
         return PendingSample(torch.cat(packed), [p.logprobs for p in params], want, top_k)
+
+    def draw(self, processed: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """A token per row of processed logits (processed()): the argmax for greedy rows, the
+        race for the others."""
+        greedy = [r.params.greedy for r in rows]
+        if all(greedy):
+            return processed.argmax(dim=-1)
+        tokens = self._race(processed, rows)
+        if any(greedy):
+            is_greedy = _upload(greedy, torch.bool, processed.device)
+            tokens = torch.where(is_greedy, processed.argmax(dim=-1), tokens)
+        return tokens
+
+    def probabilities(self, processed: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """The distribution draw() takes each row's token from, fp32 [S, V]: one-hot at the
+        argmax for greedy rows; for the others the softmax of the temperature-scaled logits with
+        min-p, top-k and top-p applied (speculative decoding's p and q)."""
+        V = processed.shape[1]
+        scaled = self._scaled(processed, rows)
+        truncation = self._truncation(rows, V)
+        if truncation is not None:
+            sorted_logits, order = self._truncated_sorted(scaled, truncation)
+            scaled = torch.empty_like(scaled).scatter_(1, order, sorted_logits)
+        probs = scaled.softmax(dim=-1)
+        greedy = [r.params.greedy for r in rows]
+        if any(greedy):
+            one_hot = torch.zeros_like(probs).scatter_(1, processed.argmax(dim=-1, keepdim=True), 1.0)
+            probs = torch.where(_upload(greedy, torch.bool, processed.device)[:, None], one_hot, probs)
+        return probs
+
+    def race_log(self, log_weights: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """A token per row drawn in proportion to exp(log_weights) (unnormalised; -inf: never),
+        with each row's own noise (its seed and output_index), as the race draws."""
+        keys = self.row_keys(rows, log_weights.device)
+        noise = _noise_fn(log_weights.device)(keys, self._vocab_ids(log_weights.shape[1], log_weights.device))
+        return noise.neg_().add_(log_weights).argmax(dim=-1)
+
+    @staticmethod
+    def row_keys(rows: list[SampleRow], device: torch.device) -> torch.Tensor:
+        """int64 [S, 1]: each row's key (row_key of its seed and output_index)."""
+        return _upload([[_signed(row_key(r.seed, r.output_index))] for r in rows], torch.int64, device)
+
+    def processed(self, logits: torch.Tensor, rows: list[SampleRow], masks: TokenMasks | None = None) -> torch.Tensor:
+        """The logits draw() and probabilities() take, fp32: masks, logit_bias, min_tokens and
+        penalties applied (before temperature); the caller's tensor is never written."""
+        return self._process(logits, rows, masks)
 
     def _process(self, logits: torch.Tensor, rows: list[SampleRow], masks: TokenMasks | None) -> torch.Tensor:
         """Masks -> logit_bias -> min_tokens -> penalties, each only if a row of the batch asks
@@ -390,10 +436,22 @@ class Sampler:
         take a dummy temperature of 1 and are replaced by the caller)."""
         V = logits.shape[1]
         device = logits.device
+        keys = self.row_keys(rows, device)
+        scaled = self._scaled(logits, rows)
+        truncation = self._truncation(rows, V)
+        if truncation is None:
+            return _noise_fn(device)(keys, self._vocab_ids(V, device)).neg_().add_(scaled).argmax(dim=-1)
+        # The race runs in sorted order, each entry with the noise of its own vocabulary id.
+        sorted_logits, order = self._truncated_sorted(scaled, truncation)
+        del scaled
+        winner = _noise_fn(device)(keys, order).neg_().add_(sorted_logits).argmax(dim=-1, keepdim=True)
+        return order.gather(1, winner)[:, 0]
+
+    @staticmethod
+    def _scaled(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
+        """Temperature and min-p: a new [S, V] tensor (greedy rows at a dummy temperature of 1)."""
+        device = logits.device
         params = [r.params for r in rows]
-        keys = _upload([[_signed(row_key(r.seed, r.output_index))] for r in rows], torch.int64, device)
-        top_k = [p.top_k if 0 < p.top_k < V and not p.greedy else V for p in params]
-        top_p = [p.top_p if p.top_p < 1 and not p.greedy else float("inf") for p in params]
         temps = _upload([p.temperature or 1.0 for p in params], torch.float32, device)
         # Subtracting the row max first keeps every value <= 0, so a tiny temperature gives
         # -inf at worst, never inf - inf; the clamp keeps an fp32-underflowing one above 0.
@@ -405,14 +463,27 @@ class Sampler:
         min_p = [math.log(p.min_p) if p.min_p > 0 and not p.greedy else float("-inf") for p in params]
         if any(m != float("-inf") for m in min_p):
             scaled.masked_fill_(scaled < _upload([[m] for m in min_p], torch.float32, device), float("-inf"))
-        if all(k == V for k in top_k) and all(p == float("inf") for p in top_p):
-            return _noise_fn(device)(keys, self._vocab_ids(V, device)).neg_().add_(scaled).argmax(dim=-1)
+        return scaled
 
-        # One descending sort serves every row's k and p: top-k masks ranks >= k, top-p then
-        # keeps the smallest prefix whose mass reaches p (the most likely token always stays).
-        # The race runs in sorted order, each entry with the noise of its own vocabulary id.
+    @staticmethod
+    def _truncation(rows: list[SampleRow], V: int) -> tuple[list[int], list[float]] | None:
+        """Each row's top-k (V: off) and top-p (inf: off), or None when no row truncates."""
+        params = [r.params for r in rows]
+        top_k = [p.top_k if 0 < p.top_k < V and not p.greedy else V for p in params]
+        top_p = [p.top_p if p.top_p < 1 and not p.greedy else float("inf") for p in params]
+        if all(k == V for k in top_k) and all(p == float("inf") for p in top_p):
+            return None
+        return top_k, top_p
+
+    def _truncated_sorted(self, scaled: torch.Tensor,
+                          truncation: tuple[list[int], list[float]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sorted logits with top-k and top-p applied, the sort's order). One descending sort
+        serves every row's k and p: top-k masks ranks >= k, top-p then keeps the smallest prefix
+        whose mass reaches p (the most likely token always stays)."""
+        V = scaled.shape[1]
+        device = scaled.device
+        top_k, top_p = truncation
         sorted_logits, order = scaled.sort(dim=-1, descending=True)
-        del scaled
         ks = _upload([[k] for k in top_k], torch.int64, device)
         sorted_logits.masked_fill_(self._vocab_ids(V, device) >= ks, float("-inf"))
         if any(p != float("inf") for p in top_p):
@@ -422,5 +493,4 @@ class Sampler:
             del probs
             sorted_logits.masked_fill_(mass_before >= ps, float("-inf"))
             del mass_before
-        winner = _noise_fn(device)(keys, order).neg_().add_(sorted_logits).argmax(dim=-1, keepdim=True)
-        return order.gather(1, winner)[:, 0]
+        return sorted_logits, order

@@ -116,6 +116,13 @@ class Sequence:
         self.output_ids.append(token_id)
         self.all_ids.append(token_id)
 
+    def truncate_output(self, length: int) -> None:
+        """Keep the first `length` output tokens of a finished sequence (a stop string ended it
+        inside a run of accepted speculative tokens: the tokens after it never happened)."""
+        assert self.status is SeqStatus.FINISHED and 0 <= length <= len(self.output_ids), (self, length)
+        del self.all_ids[len(self.prompt_ids) + length:]
+        del self.output_ids[length:]
+
     def __repr__(self):
         return (f"Sequence({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
                 f"output={self.num_output_tokens}, computed={self.num_computed}, blocks={len(self.block_table)})")
@@ -129,17 +136,22 @@ def _prompt_pending(seq: Sequence) -> bool:
 @dataclass(slots=True)
 class ScheduledItem:
     """Compute seq.all_ids[start:start + num_new] this step; sample a token after the last one
-    when sample (the chunk reaches the end of a sequence that generates: not max_tokens 0)."""
+    when sample (the chunk reaches the end of a sequence that generates: not max_tokens 0).
+    lookahead: cache slots held past those for up to that many speculative tokens (a decode
+    only; the engine's proposer fills none, some or all of them)."""
     seq: Sequence
     start: int
     num_new: int
     sample: bool
+    lookahead: int = 0
 
 
 @dataclass
 class ScheduledBatch:
     items: list[ScheduledItem] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Speculation is on but this step decodes plainly: too many requests are running.
+    speculation_off: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -147,9 +159,15 @@ class ScheduledBatch:
 
 
 class Scheduler:
+    """num_lookahead: speculative tokens per decode (K; 0: no speculation), in steps that start
+    with at most speculate_max_running running sequences."""
+
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_ids: frozenset[int]):
+                 max_model_len: int, eos_ids: frozenset[int], num_lookahead: int = 0,
+                 speculate_max_running: int = 0):
         assert max_num_seqs >= 1 and max_num_batched_tokens >= 1 and max_model_len >= 2
+        self.num_lookahead = num_lookahead
+        self.speculate_max_running = speculate_max_running
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -218,16 +236,23 @@ class Scheduler:
         batch = ScheduledBatch()
         items = batch.items
         running = self.running
+        speculate = self.num_lookahead if len(running) <= self.speculate_max_running else 0
+        batch.speculation_off = self.num_lookahead > 0 and not speculate
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
             start, num_tokens = seq.num_computed, len(seq.all_ids)
             end = min(num_tokens, start + budget)
+            ahead = self._lookahead(seq, speculate, budget) if speculate and num_tokens - start == 1 else 0
             # Blocks are asked for only past the table's end (most decodes fit in their last block).
-            if end > len(seq.block_table) * block_size and not self._make_room(seq, end - start, batch):
-                break  # seq preempted itself: it was the last one running
-            items.append(ScheduledItem(seq, start, end - start, end == num_tokens and seq.generates))
-            budget -= end - start
+            if end + ahead > len(seq.block_table) * block_size:
+                if ahead and not bm.ensure_slots(seq, end - start + ahead):
+                    # No free block for the lookahead: speculate only within the blocks held, never preempt for it.
+                    ahead = max(0, len(seq.block_table) * block_size - end)
+                if end + ahead > len(seq.block_table) * block_size and not self._make_room(seq, end - start, batch):
+                    break  # seq preempted itself: it was the last one running
+            items.append(ScheduledItem(seq, start, end - start, end == num_tokens and seq.generates, ahead))
+            budget -= end - start + ahead
             i += 1
         if batch.preempted:
             # Popped most recent first; pushed to the front one by one, they end up in their
@@ -251,6 +276,15 @@ class Scheduler:
             budget -= num_new
         return batch
 
+    def _lookahead(self, seq: Sequence, speculate: int, budget: int) -> int:
+        """Speculative tokens a decode may verify this step: none past max_tokens or the context
+        (a step adds accepted + 1 tokens), none beyond the token budget, none for a constrained
+        request (its grammar advances one token at a time)."""
+        if seq.params.structured is not None or not seq.generates:
+            return 0
+        room = min(seq.params.max_tokens - len(seq.output_ids), self.max_model_len - len(seq.all_ids)) - 1
+        return max(0, min(speculate, room, budget - 1))
+
     def _make_room(self, seq: Sequence, num_new: int, batch: ScheduledBatch) -> bool:
         """Blocks for seq's next num_new tokens, preempting from the end of running while there
         are too few. Victims come from behind seq: sequences already scheduled this step (before
@@ -268,13 +302,16 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
 
-    def update(self, batch: ScheduledBatch, sampled: dict[str, int]) -> list[Sequence]:
+    def update(self, batch: ScheduledBatch, sampled: dict[str, int],
+               accepted: dict[str, list[int]] | None = None) -> list[Sequence]:
         """Account for a finished model step: the items' K/V are in the cache, and sampled holds
-        the token drawn for each item with sample=True. Returns the sequences that got a token
-        (finished ones included, with their finish_reason), and those that generate nothing
-        (max_tokens 0) whose prompt this step completed: finished, "length", without a token."""
+        the token drawn for each item with sample=True; accepted, under speculation, the draft
+        tokens the verification accepted before it (their K/V were computed too). Returns the
+        sequences that got a token (finished ones included, with their finish_reason), and those
+        that generate nothing (max_tokens 0) whose prompt this step completed: finished,
+        "length", without a token."""
         register = self.block_manager.register_computed
-        eos_ids, max_model_len, running = self.eos_ids, self.max_model_len, SeqStatus.RUNNING
+        running = SeqStatus.RUNNING
         got_token = []
         finished = False
         for item in batch.items:
@@ -283,6 +320,9 @@ class Scheduler:
                 continue  # aborted after schedule(): its blocks are gone, its token is dropped
             assert item.start == seq.num_computed, (item, seq)
             seq.num_computed += item.num_new
+            reason = None
+            if accepted and seq.request_id in accepted:
+                reason = self._append_accepted(seq, accepted[seq.request_id])
             register(seq)
             # A prefill chunk (a decode holds no prompt row) of a request with prompt logprobs:
             # the engine took its rows' logprobs.
@@ -295,18 +335,37 @@ class Scheduler:
                     self._release(seq, "length")
                     finished = True
                 continue
-            token = sampled[seq.request_id]
-            seq.append_token(token)
             got_token.append(seq)
-            params = seq.params
-            if (token in eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
-                reason = "stop"
-            elif len(seq.output_ids) >= params.max_tokens or len(seq.all_ids) >= max_model_len:
-                reason = "length"
-            else:
-                continue
+            if reason is None:  # a stop among the accepted tokens drops the sampled one
+                token = sampled[seq.request_id]
+                seq.append_token(token)
+                reason = self._stop_reason(seq, token)
+                if reason is None:
+                    continue
             self._release(seq, reason)
             finished = True
         if finished:  # one pass, not a list.remove per finished sequence
             self.running = [s for s in self.running if s.status is SeqStatus.RUNNING]
         return got_token
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        """Why seq ends with `token` just appended: "stop" (an eos or stop id), "length", or None."""
+        params = seq.params
+        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        if len(seq.output_ids) >= params.max_tokens or len(seq.all_ids) >= self.max_model_len:
+            return "length"
+        return None
+
+    def _append_accepted(self, seq: Sequence, tokens: list[int]) -> str | None:
+        """Append accepted draft tokens one by one, as if each had been sampled in turn; each one's
+        K/V is in the cache (the verify pass computed it), so num_computed follows. A stop among
+        them ends the sequence there: the tokens after it are dropped, as plain decoding would
+        never have made them."""
+        for token in tokens:
+            seq.append_token(token)
+            seq.num_computed += 1
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                return reason
+        return None

@@ -77,6 +77,19 @@ class ServeMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).")
         self.generation_tokens = counter("generation_tokens", "Output tokens generated.")
         self.preemptions = counter("num_preemptions", "Running requests preempted (recomputed later) for lack of KV blocks.")
+        # Speculative decoding, as vLLM's spec_decode series (all 0 without it).
+        self.spec_drafts = counter("spec_decode_num_drafts", "Sequence-steps that verified speculative draft tokens.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative draft tokens verified.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                            "Speculative draft tokens the model accepted.")
+        self.spec_steps_off = counter("spec_decode_disabled_steps",
+                                      "Steps decoded without speculation: more requests running than "
+                                      "--speculative-disable-by-batch-size.")
+        self.spec_acceptance_rate = gauge("spec_decode_acceptance_rate",
+                                          "Accepted over verified draft tokens since the start (0 before any).")
+        self.spec_acceptance_length = gauge("spec_decode_mean_acceptance_length",
+                                            "Tokens per speculating sequence-step since the start: 1 + accepted "
+                                            "drafts per draft (0 before any).")
         success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
                           ["model_name", "finished_reason"], registry=self.registry)
         self._success = success
@@ -117,10 +130,15 @@ class ServeMetrics:
         self.kv_usage.set(stats.kv_usage)
         for metric, field in ((self.prefix_queries, "prefix_queries"), (self.prefix_hits, "prefix_hits"),
                               (self.prompt_tokens, "prompt_tokens"), (self.generation_tokens, "generation_tokens"),
-                              (self.preemptions, "num_preemptions")):
+                              (self.preemptions, "num_preemptions"), (self.spec_drafts, "spec_drafts"),
+                              (self.spec_draft_tokens, "spec_draft_tokens"),
+                              (self.spec_accepted_tokens, "spec_accepted_tokens"),
+                              (self.spec_steps_off, "spec_steps_off")):
             delta = getattr(stats, field) - (getattr(last, field) if last is not None else 0)
             if delta > 0:
                 metric.inc(delta)
+        self.spec_acceptance_rate.set(stats.spec_acceptance_rate)
+        self.spec_acceptance_length.set(stats.spec_mean_acceptance_length)
         self._stats = stats
 
     # ---- read by the event loop
@@ -146,6 +164,8 @@ class ServeMetrics:
         prompt, generated = stats.prompt_tokens - last.prompt_tokens, stats.generation_tokens - last.generation_tokens
         rate = (lambda n: n / elapsed) if elapsed > 0 else (lambda n: 0.0)
         hit_rate = 100 * stats.prefix_hits / stats.prefix_queries if stats.prefix_queries else 0.0
+        spec = (f" | draft acceptance {100 * stats.spec_acceptance_rate:.1f}%, "
+                f"{stats.spec_mean_acceptance_length:.2f} tokens per step" if stats.spec_draft_tokens else "")
         return (f"duoka serve: running {stats.num_running}, waiting {stats.num_waiting} | "
                 f"prompt {rate(prompt):,.1f} tok/s, generation {rate(generated):,.1f} tok/s | "
-                f"KV cache {100 * stats.kv_usage:.1f}% | prefix cache hits {hit_rate:.1f}%")
+                f"KV cache {100 * stats.kv_usage:.1f}% | prefix cache hits {hit_rate:.1f}%{spec}")

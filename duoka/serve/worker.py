@@ -137,6 +137,14 @@ class Worker:
                              "serve the adapters on the bf16 model, or merge them first (duoka export --merge) and "
                              "quantize the merged model")
         check_fits(self.args, self.scheme, self.tp, self.device, config.gpu_memory_utilization)
+        # The speculative draft model (rank 0 only: tp 1, EngineConfig refuses more), checked before the load.
+        self.draft_folder = model_folder(config.speculative_model) if config.speculative_model is not None else None
+        self.draft_args = read_config(self.draft_folder) if self.draft_folder is not None else None
+        if self.draft_args is not None and self.draft_args.context_len < self.max_model_len:
+            raise DuokaError(f"the draft model's context of {self.draft_args.context_len} tokens is shorter than "
+                             f"the served {self.max_model_len}", f"serve with --max-model-len "
+                             f"{self.draft_args.context_len} or less, or use a draft of the model's context")
+        self.draft_runner: ModelRunner | None = None
         self.log = log
         self.runner_factory = runner_factory
         self.sampler = Sampler()
@@ -153,17 +161,25 @@ class Worker:
             self._steps_group = step_group(self.group)
         t0 = time.perf_counter()
         self.model = self._load()
+        # Before the cache is sized: the draft's weights are counted, and its cache shares the blocks.
+        draft = self._load_draft() if self.draft_args is not None else None
+        draft_block_bytes = self._draft_shape(draft, 0).bytes_per_block if draft is not None else 0
         kv_bytes = self._kv_bytes() if config.num_kv_blocks is None else 0
         shape = cache_shape(self.model, local_kv_heads(self.args, self.tp), config.block_size, self.dtype, kv_bytes,
-                            self.max_model_len, config.max_num_seqs, config.num_kv_blocks)
+                            self.max_model_len, config.max_num_seqs, config.num_kv_blocks, draft_block_bytes)
         self.shape = shape
         # The CUDA graphs are captured here, with the tp all-reduces inside: on every rank alike.
         self.runner = self.runner_factory(self.model, shape, self.device, self.max_model_len, config.max_num_seqs,
                                           config.cuda_graphs)
+        if draft is not None:  # the draft's own cache, block for block the target's (the same block tables)
+            self.draft_runner = ModelRunner(draft, self._draft_shape(draft, shape.num_blocks), self.device,
+                                            self.max_model_len, config.max_num_seqs, config.cuda_graphs)
         quantized = f", {self.scheme.method} {self.scheme.bits}-bit projections" if self.scheme else ""
         if config.load_format == "dummy":
             quantized += ", RANDOM weights (--load-format dummy): for measuring only"
-        cache_gib = shape.num_blocks * shape.bytes_per_block / 2**30
+        if draft is not None:
+            quantized += f"; speculative draft {self.draft_folder} ({weight_bytes(draft) / 2**30:.2f} GiB)"
+        cache_gib = shape.num_blocks * (shape.bytes_per_block + draft_block_bytes) / 2**30
         self.log(f"duoka: loaded {self.folder} on {self.device} ({str(self.dtype).removeprefix('torch.')}{quantized}) "
                  f"in {time.perf_counter() - t0:.1f} s; weights {weight_bytes(self.model) / 2**30:.2f} GiB; KV cache "
                  f"{shape.tokens:,} tokens in {shape.num_blocks:,} blocks of {config.block_size} ({cache_gib:.2f} GiB), "
@@ -210,6 +226,27 @@ class Worker:
         model.requires_grad_(False)  # inference only: nothing compiled traces a backward
         return model
 
+    def _load_draft(self) -> Qwen2:
+        """The speculative draft model, whole on this device (random with --load-format dummy, as
+        the model), compiled like the model's blocks."""
+        config, args = self.config, self.draft_args
+        compile = self.device.type == "cuda" if config.compile is None else config.compile
+        options = ModelOptions(compile="block" if compile else "none", compile_dynamic=True, packed_projections=True)
+        if config.load_format == "dummy":
+            draft = build_shard(args, 1, self.device, self.dtype, options)
+            fill_random_(draft)
+            draft.eval()
+        else:
+            draft, _ = load_hf_model(self.draft_folder, device=self.device, dtype=self.dtype, options=options,
+                                     check_weights=config.check_weights)
+        draft.requires_grad_(False)
+        return draft
+
+    def _draft_shape(self, draft: Qwen2, num_blocks: int) -> CacheShape:
+        args = draft.args
+        return CacheShape(args.n_layers, num_blocks, self.config.block_size, args.n_kv_heads, args.resolved_head_dim,
+                          self.dtype)
+
     def _kv_bytes(self) -> int:
         """What this process's cache may take after a profiled worst-case step; under tensor
         parallelism the least any rank can hold, so that every rank's cache is the same size."""
@@ -232,6 +269,11 @@ class Worker:
         config = self.config
         tokens = min(config.max_num_batched_tokens, self.max_model_len)
         blocks = -(-tokens // config.block_size)
+        # Logits rows: one per sequence, or under speculation K + 1 per speculating sequence.
+        rows = config.max_num_seqs
+        if config.speculation is not None:
+            speculating = min(config.max_num_seqs, config.speculative_disable_by_batch_size)
+            rows = max(rows, speculating * (config.num_speculative_tokens + 1))
         args = self.model.args
         shape = CacheShape(args.n_layers, blocks, config.block_size, args.n_kv_heads, args.resolved_head_dim,
                            self.dtype)
@@ -240,7 +282,7 @@ class Worker:
             token_ids=torch.zeros(tokens, dtype=torch.long), positions=torch.arange(tokens),
             slot_mapping=torch.arange(tokens), block_tables=torch.arange(blocks, dtype=torch.int32)[None],
             context_lens=torch.tensor([tokens], dtype=torch.int32), query_start=torch.tensor([0, tokens], dtype=torch.int32),
-            logits_indices=torch.arange(tokens - min(tokens, config.max_num_seqs), tokens), max_query_len=tokens,
+            logits_indices=torch.arange(tokens - min(tokens, rows), tokens), max_query_len=tokens,
             num_decodes=0, max_context_len=tokens, prefill_context=tokens)
         # The sampler's worst case too: every row with top-k and top-p sorts the vocabulary, and the
         # bias and penalties keep a processed copy of the logits beside the model's (the penalties
@@ -259,6 +301,11 @@ class Worker:
         if self._steps_group is not None:
             broadcast_step(inputs, self._steps_group)
         return self.runner.execute(inputs)
+
+    def execute_draft(self, inputs: StepInputs) -> torch.Tensor:
+        """Rank 0: the speculative draft model's logits [S, draft vocab] for a step of its own
+        (its cache shares the model's block tables)."""
+        return self.draft_runner.execute(inputs)
 
     def execute_with_prompt(self, inputs: StepInputs, prompt: PromptRows) -> tuple[torch.Tensor, PendingPromptLogprobs]:
         """Rank 0: execute()'s logits, and the prompt logprobs of `prompt`'s rows launched on the

@@ -67,10 +67,26 @@ def test_each_command_keeps_its_flags():
                               "--max-model-len", "--gpu-memory-utilization", "--max-queue", "--grace", "--device",
                               "--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--block-size",
                               "--num-kv-blocks", "--no-prefix-caching", "--enforce-eager", "--skip-weight-check",
-                              "--allowed-origins", "--log-requests", "--quantization", "--load-format"}
+                              "--allowed-origins", "--log-requests", "--quantization", "--load-format",
+                              *SPECULATIVE, "--speculative-disable-by-batch-size"}
     assert flags("generate") == {"--model", "--adapter", "--prompt", "--chat", "--system", "--max-new-tokens",
                                  "--temperature", "--top-p", "--top-k", "--seed", "--ignore-eos", "--device",
-                                 "--dtype", "--enforce-eager", "--skip-weight-check", "--quantization", "--load-format"}
+                                 "--dtype", "--enforce-eager", "--skip-weight-check", "--quantization", "--load-format",
+                                 *SPECULATIVE}
+
+
+SPECULATIVE = ("--speculative-model", "--speculative-method", "--num-speculative-tokens", "--prompt-lookup-max",
+               "--prompt-lookup-min")
+
+
+def test_speculative_flags_set_their_fields():
+    a = _parse("serve", "m", "--speculative-method", "ngram", "--num-speculative-tokens", "3", "--prompt-lookup-min",
+               "2", "--speculative-disable-by-batch-size", "8")
+    assert engine_config_from_args(a, SERVE) == EngineConfig(model="m", speculative_method="ngram",
+                                                           num_speculative_tokens=3, prompt_lookup_min=2,
+                                                           speculative_disable_by_batch_size=8)
+    g = _parse("generate", "--speculative-model", "d", "--num-speculative-tokens", "4")
+    assert engine_config_from_args(g, GENERATE) == EngineConfig(speculative_model="d", num_speculative_tokens=4)
 
 
 @pytest.mark.parametrize("options, message", [
