@@ -88,7 +88,11 @@ OFFLOAD_HOST_BYTES = OFFLOAD_PINNED_BYTES + ADAMW_STATE_BYTES
 # AdamW for the rest. Their step allocates a list of temporaries as large as a parameter
 # group (torch/optim/_adafactor.py: _multi_tensor_adafactor's var_estimates, "~ sizeof(params)
 # more peak memory" in its docstring; torch/optim/adam.py: _multi_tensor_adam's
-# exp_avg_sq_sqrt). AdamW and SGD alone are fused on CUDA: in place.
+# exp_avg_sq_sqrt). AdamW alone is fused on CUDA: in place. SGD is foreach too (its fused
+# step leaves a skipped first step's momentum uninitialised), and with weight decay its step
+# makes a decayed copy of a group's gradients (torch/optim/sgd.py: _multi_tensor_sgd's
+# `device_grads = torch._foreach_add(device_grads, device_params, ...)`; Nesterov then adds in
+# place): fp32 as large as the decayed group (the 2-D tensors), ~53 GiB for Qwen1.5-MoE-A2.7B.
 FOREACH = ("adafactor", "muon")
 
 # ---- traffic of the step through the GPU's memory, bytes per element (+ 4: the gradient
@@ -144,6 +148,8 @@ class OptimizerChoice:
     offload: str = CONFIG_DEFAULTS.offload
     sgd_momentum: float = CONFIG_DEFAULTS.sgd_momentum
     ns_steps: int = CONFIG_DEFAULTS.muon_ns_steps
+    weight_decay: float = CONFIG_DEFAULTS.weight_decay
+    """Only SGD's memory depends on it (a decayed copy of the gradients in its step)."""
 
     def __post_init__(self):
         if self.name not in OPTIMIZERS:
@@ -190,7 +196,7 @@ ADAMW = OptimizerChoice()
 def optimizer_from_config(optimizer_cfg: OptimizerConfig) -> OptimizerChoice:
     """The OptimizerChoice of a config's [optimizer] section."""
     return OptimizerChoice(optimizer_cfg.name, optimizer_cfg.offload, optimizer_cfg.sgd_momentum,
-                           optimizer_cfg.muon_ns_steps)
+                           optimizer_cfg.muon_ns_steps, optimizer_cfg.weight_decay)
 
 
 # ---------------------------------------------------------------- the tensors
@@ -352,11 +358,14 @@ def footprint(tensors: list[ParamTensor], choice: OptimizerChoice, shard: int = 
         elif name == "sgd":
             with_momentum = choice.sgd_momentum > 0
             gpu += (FP32 * n if with_momentum else 0.0) * t.count
+            groups["2d" if t.two_d else "1d"] += n * t.count
             hbm += (STEP_HBM_BYTES["sgd"] if with_momentum else SGD_PLAIN_HBM_BYTES) * n * t.count
     if name in FOREACH:
         # a list of fp32 temporaries as large as the group's parameters (Adafactor's
         # var_estimates, AdamW's exp_avg_sq_sqrt), one parameter group at a time
         transient = max(transient, FP32 * max(groups.values()))
+    if name == "sgd" and choice.weight_decay > 0:
+        transient = max(transient, FP32 * groups["2d"])
     return Footprint(gpu_state=gpu, host=host, pinned=pinned, step_transient=transient, hbm_bytes=hbm,
                      host_calls_s=calls, serial=name == "adafactor", matmul_flops=flops, offloaded=offloaded,
                      gathered=tuple(gathered))

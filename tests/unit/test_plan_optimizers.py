@@ -63,11 +63,13 @@ def test_state_shards_with_the_parameters_and_torchao_decides_per_shard():
 
 
 def test_step_temporaries():
-    # fused AdamW and SGD: none; torchao: fp32 copies of the largest quantized tensor;
+    # fused AdamW: none; foreach SGD with weight decay: a decayed fp32 copy of the 2-D tensors'
+    # gradients (none without decay); torchao: fp32 copies of the largest quantized tensor;
     # Adafactor (foreach): a variance estimate of every matrix at once; Muon: its largest
     # whole matrix (fp32 update, bf16 copy and iterate) and the Gram matrix
     assert footprint(SHAPES, OptimizerChoice("adamw")).step_transient == 0
-    assert footprint(SHAPES, OptimizerChoice("sgd")).step_transient == 0
+    assert footprint(SHAPES, OptimizerChoice("sgd")).step_transient == 4 * (M + E)  # the embedding decays too
+    assert footprint(SHAPES, OptimizerChoice("sgd", weight_decay=0.0)).step_transient == 0
     assert footprint(SHAPES, OptimizerChoice("adamw8bit")).step_transient == 8 * E
     assert footprint(SHAPES, OptimizerChoice("adafactor")).step_transient == 4 * (M + E)
     muon = footprint([MATRIX], OptimizerChoice("muon"))
