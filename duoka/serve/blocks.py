@@ -13,9 +13,14 @@ count + 1) instead of computing them again. Blocks are append-only once full, so
 is never written. A block whose last user leaves keeps its hash and contents and goes to the
 tail of the free list; allocation takes from the head and drops the old hash only then, so
 freed blocks are evicted least recently freed first and a later request still hits the ones
-that survive. A sequence takes cached blocks only within its Sequence.cache_limit: never its
-last token, and for a request that asks for prompt logprobs only the rows already scored (the
-cache holds keys and values, not the logits those rows need).
+that survive. A sequence never takes the block of its last token (the model runs on at least
+one token, whose logits the next token is sampled from).
+
+Prompt logprobs (serve.logprob_cache): a request that asks for them needs every prompt row's
+entry, and the keys and values of a cached block do not give its rows' logits. So a scoring
+request keeps its entries with the blocks it registers (token t's entry with the block that
+holds token t), and another one reads a cached block only where those entries, of at least its
+k, cover what reading skips; elsewhere it computes the block again (counted as a bypass).
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from array import array
 from collections import OrderedDict
 
 import numpy as np
+
+from duoka.serve.logprob_cache import BlockLogprobs
 
 
 def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
@@ -71,6 +78,12 @@ class BlockManager:
         # after preemption would mostly hit its own freed blocks and inflate the rate.
         self.prefix_queries = 0
         self.prefix_hits = 0
+        # Prompt entries of cached blocks (keyed by their hashes, dropped on eviction), and the
+        # cached tokens that requests with prompt logprobs computed again because the blocks
+        # carried no entries of their k (cumulative, at first admission as the hits).
+        self.logprobs = BlockLogprobs(block_size)
+        self.logprob_bypass_requests = 0
+        self.logprob_bypass_tokens = 0
 
     @property
     def num_free(self) -> int:
@@ -94,7 +107,7 @@ class BlockManager:
         Returns how many new tokens it has slots for, or 0 (nothing changed) when the free
         blocks do not suffice."""
         assert not seq.block_table and seq.num_computed == 0 and max_new_tokens >= 1
-        hits, num_new, fits = self._plan(seq, max_new_tokens)
+        hits, num_new, fits, bypassed = self._plan(seq, max_new_tokens)
         if not fits:
             return 0
         for b in hits:
@@ -106,29 +119,39 @@ class BlockManager:
         self._append_blocks(seq, hits + [self._take_free() for _ in range(need)])
         seq.num_computed = num_computed
         seq.num_registered_blocks = len(hits)
+        if seq.owes_prompt_rows:
+            self._read_entries(seq, min(num_computed, seq.num_prompt_tokens - 1))
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = num_computed
             if self.enable_prefix_caching:
                 self.prefix_queries += seq.num_prompt_tokens
                 self.prefix_hits += num_computed
+                self.logprob_bypass_requests += bypassed > 0
+                self.logprob_bypass_tokens += bypassed
         return num_new
 
-    def _plan(self, seq, max_new_tokens: int) -> tuple[list[int], int, bool]:
+    def _plan(self, seq, max_new_tokens: int) -> tuple[list[int], int, bool, int]:
+        """(the cached blocks seq takes, its new tokens, whether they fit, the cached tokens it
+        computes again for want of stored prompt entries)."""
         hits = self._lookup(seq)
+        bypassed = 0
+        if hits and seq.owes_prompt_rows:
+            readable, bypass = self._scorable(seq, len(hits))
+            bypassed = (len(hits) - readable) * self.block_size if bypass else 0
+            hits = hits[:readable]
         num_computed = len(hits) * self.block_size
         num_new = min(seq.num_tokens - num_computed, max_new_tokens)
         need = -(-(num_computed + num_new) // self.block_size) - len(hits)
         # a hit on a free block takes it out of the free list, so it is not there to allocate
         reclaimed = sum(1 for b in hits if self.ref_counts[b] == 0)
-        return hits, num_new, need + reclaimed <= len(self.free_queue)
+        return hits, num_new, need + reclaimed <= len(self.free_queue), bypassed
 
     def _lookup(self, seq) -> list[int]:
-        """The blocks holding seq's longest cached prefix of full blocks, within the tokens the
-        cache may serve it (Sequence.cache_limit: never the last token, whose logits the next
-        token is sampled from, nor a prompt row whose logprobs are still owed)."""
+        """The blocks holding seq's longest cached prefix of full blocks, never its last token
+        (whose logits the next token is sampled from)."""
         if not self.enable_prefix_caching:
             return []
-        n = seq.cache_limit // self.block_size
+        n = (seq.num_tokens - 1) // self.block_size
         self._extend_hashes(seq, n)
         hits = []
         for h in seq.block_hashes[:n]:
@@ -137,6 +160,71 @@ class BlockManager:
                 break
             hits.append(b)
         return hits
+
+    def _scorable(self, seq, num_hits: int) -> tuple[int, bool]:
+        """How many of its num_hits leading cached blocks a request that still owes prompt rows
+        may read, and whether it stopped short at a cached block without entries of its k (a
+        bypass). Reading m blocks, it computes from token m * bs on, so the rows it has not
+        scored yet below m * bs (prompt_logprob_rows.., scoring tokens up to m * bs) come from
+        the entries of the blocks that hold those tokens: up to block m itself, whose first
+        token's entry is the last row of block m - 1. Block m's keys and values are computed
+        again (another request's next block differs: the choices after a shared context)."""
+        bs, done, last = self.block_size, seq.prompt_logprob_rows, seq.num_prompt_tokens - 1
+        end = min(seq.num_tokens // bs, num_hits + 1, last // bs + 1)  # full blocks, up to the prompt's last token
+        self._extend_hashes(seq, end)
+        stored = self._stored_run(seq, end)
+        m = min(done // bs, num_hits)  # rows all scored already: readable without entries
+        while m < num_hits and min((m + 1) * bs, last) // bs < stored:
+            m += 1
+        return m, stored < end and seq.block_hashes[stored] in self.cached
+
+    def entries_in_flight(self, running) -> dict[bytes, int]:
+        """Block hash -> the largest k of the prompt entries that running requests will keep with
+        their full prompt blocks not registered yet (for waits_for_entries)."""
+        in_flight: dict[bytes, int] = {}
+        for seq in running:
+            if seq.owes_prompt_rows:
+                self.add_in_flight(seq, in_flight)
+        return in_flight
+
+    def add_in_flight(self, seq, in_flight: dict[bytes, int]) -> None:
+        n, k = seq.num_prompt_tokens // self.block_size, seq.params.prompt_logprobs
+        self._extend_hashes(seq, n)
+        for h in seq.block_hashes[seq.num_registered_blocks:n]:
+            if in_flight.get(h, -1) < k:
+                in_flight[h] = k
+
+    def waits_for_entries(self, seq, in_flight: dict[bytes, int]) -> bool:
+        """Whether waiting seq (prompt rows owed) had better wait: the blocks past those that
+        carry entries for it are being computed with entries of its k, and once they are
+        cached it reads at least one block more (it needs entries a block past what it reads)."""
+        n, k = seq.num_prompt_tokens // self.block_size, seq.params.prompt_logprobs
+        self._extend_hashes(seq, n)
+        stored = self._stored_run(seq, n)
+        coming = 0
+        while stored + coming < n and coming < 2 and in_flight.get(seq.block_hashes[stored + coming], -1) >= k:
+            coming += 1
+        return coming >= 1 and stored + coming >= 2
+
+    def _stored_run(self, seq, end: int) -> int:
+        """The first block from the one holding token prompt_logprob_rows + 1 (the first whose
+        entry seq still owes) up to end that carries no entries of seq's k; end if none."""
+        stored, k = (seq.prompt_logprob_rows + 1) // self.block_size, seq.params.prompt_logprobs
+        while stored < end and self.logprobs.has(seq.block_hashes[stored], k):
+            stored += 1
+        return stored
+
+    def _read_entries(self, seq, end: int) -> None:
+        """Take seq's prompt rows prompt_logprob_rows..end - 1 (tokens up to end) from the
+        entries of the blocks holding their tokens (_scorable found them there)."""
+        bs, k, ids = self.block_size, seq.params.prompt_logprobs, seq.all_ids
+        token = seq.prompt_logprob_rows + 1  # row r scores token r + 1
+        while token <= end:
+            j = token // bs
+            upto = min(end + 1, (j + 1) * bs)
+            seq.prompt_logprob_entries += self.logprobs.read(seq.block_hashes[j], ids[token:upto], token - j * bs, k)
+            token = upto
+        seq.prompt_logprob_rows = max(seq.prompt_logprob_rows, end)
 
     # ------------------------------------------------------------------ running
     def ensure_slots(self, seq, num_new: int) -> bool:
@@ -167,7 +255,19 @@ class BlockManager:
             if h not in self.cached:
                 self.cached[h] = b
                 self.hash_of[b] = h
+        if seq.params.prompt_logprobs is not None:
+            self._keep_entries(seq, seq.num_registered_blocks, n)
         seq.num_registered_blocks = n
+
+    def _keep_entries(self, seq, start: int, end: int) -> None:
+        """Keep with each newly registered block start..end - 1 of a request with prompt logprobs
+        the entries of its tokens (token t's is prompt_logprob_entries[t - 1]), where its tokens
+        are all prompt tokens and their rows have landed. Keyed by hash, they go with whichever
+        block the cache holds under it (a twin computed side by side is not cached)."""
+        bs, k, entries = self.block_size, seq.params.prompt_logprobs, seq.prompt_logprob_entries
+        for i in range(start, min(end, seq.num_prompt_tokens // bs, len(entries) // bs + 1)):
+            if (i + 1) * bs - 1 <= len(entries) and seq.block_hashes[i] in self.cached:
+                self.logprobs.put(seq.block_hashes[i], entries[max(i * bs - 1, 0):(i + 1) * bs - 1], k)
 
     def free(self, seq) -> None:
         """Release seq's blocks (finish, abort or preemption): reference counts drop; a block
@@ -203,6 +303,7 @@ class BlockManager:
         h = self.hash_of[b]
         if h is not None:  # evicted: its contents are about to be overwritten
             del self.cached[h]
+            self.logprobs.drop(h)
             self.hash_of[b] = None
         self.ref_counts[b] = 1
         return b

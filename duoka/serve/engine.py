@@ -60,6 +60,10 @@ class EngineStats:
     spec_draft_tokens: int = 0  # draft tokens verified
     spec_accepted_tokens: int = 0  # of which the model accepted
     spec_steps_off: int = 0  # steps decoded plainly: more requests running than speculative_disable_by_batch_size
+    # Requests with prompt logprobs that computed cached blocks again, the blocks carrying no
+    # stored entries of their k (cumulative), and those blocks' tokens:
+    logprob_bypass_requests: int = 0
+    logprob_bypass_tokens: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -219,8 +223,8 @@ class LLMEngine:
         sibling = self._requests.get(after)[0] if after in self._requests else None
         seq = Sequence(request_id, list(prompt_ids), params, adapter=self.adapter_index(lora), after=sibling)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop)
-        if params.prompt_logprobs is not None:
-            self._prompt_logprobs[request_id] = []
+        if params.prompt_logprobs is not None:  # the Sequence's own list: the block manager reads and fills it too
+            self._prompt_logprobs[request_id] = seq.prompt_logprob_entries
         if params.structured is not None:
             self.grammars.submit(request_id, params.structured)
             self._compiling.append(seq)
@@ -446,7 +450,8 @@ class LLMEngine:
         return EngineStats(self.scheduler.num_running, self.scheduler.num_waiting, self.blocks.usage,
                            self.shape.num_blocks, self.shape.block_size, self.blocks.prefix_queries,
                            self.blocks.prefix_hits, self._prompt_tokens, self._generation_tokens, self._preemptions,
-                           *self._spec_figures())
+                           *self._spec_figures(), self.blocks.logprob_bypass_requests,
+                           self.blocks.logprob_bypass_tokens)
 
     def _spec_figures(self) -> tuple[int, int, int, int]:
         if self.speculator is None:

@@ -68,11 +68,12 @@ PARAMETERS = (
     Parameter("stream_options", BOTH, SUPPORTED, "include_usage; only with stream=true"),
     Parameter("user", BOTH, IGNORED, ""),
     Parameter("echo", COMPLETIONS, SUPPORTED, "the text starts with the prompt; with logprobs, the prompt's tokens "
-                                                "come first (the first with null), from the prefill's own logits: "
-                                                "such a prompt is computed whole, not read from the prefix cache"),
+                                                "come first (the first with null), from the prefill's own logits; "
+                                                "the prefix cache serves such a prompt the blocks an earlier one "
+                                                "scored"),
     Parameter("prompt_logprobs", BOTH, SUPPORTED, "vLLM's: 0-20; each prompt token's logprob, rank and alternatives "
                                                     "(per choice on completions, once on chat); not with stream; the "
-                                                    "prompt is computed whole, not read from the prefix cache"),
+                                                    "prefix cache serves the blocks an earlier such prompt scored"),
     Parameter("return_tokens_as_token_ids", BOTH, SUPPORTED, "vLLM's: logprobs name tokens `token_id:N`, so "
                                                                "different tokens with the same text stay apart"),
     Parameter("suffix", COMPLETIONS, REFUSED, "Qwen2 has no fill-in-the-middle"),

@@ -149,8 +149,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """None: off; k >= 0: every prompt token's logprob after the tokens before it (the first
     token has none) and the k most likely tokens at its place, from the prefill's own logits
-    (fp32 log-softmax of the model's raw logits). Such a prompt is computed whole rather than
-    read from the prefix cache (Sequence.cache_limit): the cache keeps keys and values, not logits."""
+    (fp32 log-softmax of the model's raw logits). Such a prompt reads from the prefix cache only
+    blocks that carry the entries of an earlier scoring request of at least this k
+    (serve.logprob_cache); it computes the rest."""
 
     def __post_init__(self):
         # Lists are accepted (JSON has no tuples) and stored as tuples so the params stay

@@ -10,10 +10,11 @@ log-softmax, the prompt token's logprob and rank, the top k. What comes back to 
 2 + 2k numbers a row, never a row of the vocabulary, so a 32K-token prompt's answer stays
 small; on GPU at most max_rows rows of logits exist at once, as many as the profile step had.
 
-Rows are counted on the Sequence (prompt_logprob_rows): a preempted request's recompute does
-not repeat them, and the prefix cache serves such a request only the rows already out
-(Sequence.cache_limit). So a prompt whose prefix sits in the cache is computed again, whole:
-the cache holds keys and values, not the logits these rows need.
+Rows are counted on the Sequence (prompt_logprob_rows, their entries in prompt_logprob_entries):
+a preempted request's recompute does not repeat them. The prefix cache holds keys and values,
+not logits, so it serves such a request a cached block only where the rows it skips are out
+already or their entries were kept with the blocks by an earlier scoring request
+(serve.logprob_cache, BlockManager._scorable); their rows then come from there, not from here.
 """
 
 from __future__ import annotations

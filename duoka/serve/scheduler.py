@@ -14,7 +14,10 @@ The policy is vLLM v1's, first come first served, under one token budget per ste
    blocks last. A prompt longer than the remaining budget is chunked. The head of the queue
    that does not get blocks stops admission: nobody overtakes it, so nobody starves. So does
    a head whose sibling (Sequence.after: another choice of an n > 1 request) has not computed
-   their shared prompt yet: admitted a step later, it finds the prompt's blocks cached.
+   their shared prompt yet: admitted a step later, it finds the prompt's blocks cached. A
+   request with prompt logprobs whose next blocks another such request is computing steps
+   aside instead (the rest are admitted past it) and comes back to the front once they are
+   cached with their entries: lm-eval's choices of one question share their context so.
 
 A sequence of max_tokens 0 (scoring a prompt for its prompt logprobs) is scheduled like any
 other, samples nothing, and finishes ("length") with the step that completes its prompt.
@@ -36,7 +39,7 @@ from enum import Enum
 import numpy as np
 
 from duoka.serve.blocks import BlockManager
-from duoka.serve.params import SamplingParams
+from duoka.serve.params import SamplingParams, TokenLogprob
 
 
 class SeqStatus(Enum):
@@ -59,7 +62,8 @@ class Sequence:
 
     __slots__ = ("request_id", "prompt_ids", "output_ids", "all_ids", "params", "status", "block_table",
                  "block_array", "num_computed", "num_cached_tokens", "arrival", "finish_reason", "num_preemptions",
-                 "block_hashes", "num_registered_blocks", "adapter", "after", "generates", "prompt_logprob_rows")
+                 "block_hashes", "num_registered_blocks", "adapter", "after", "generates", "prompt_logprob_rows",
+                 "prompt_logprob_entries")
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, arrival: float | None = None,
                  adapter: int = 0, after: Sequence | None = None):
@@ -85,10 +89,12 @@ class Sequence:
         self.after = after
         # max_tokens 0 (scoring): the prompt is computed, nothing is sampled, and it finishes then.
         self.generates = params.max_tokens > 0
-        # Prompt rows (row p's logits give token p + 1's logprob) whose prompt logprobs have been
-        # computed; kept across preemption, so a recompute neither repeats them nor takes the
-        # rows still owed from the prefix cache (cache_limit).
+        # Prompt rows (row p's logits give token p + 1's logprob) whose prompt logprobs are out,
+        # computed or read with cached blocks (BlockManager), and their entries (row p's at p):
+        # kept across preemption, so a recompute does not repeat them, and the blocks this
+        # request registers keep the entries of their tokens for other scoring requests.
         self.prompt_logprob_rows = 0
+        self.prompt_logprob_entries: list[TokenLogprob] = []
 
     @property
     def num_tokens(self) -> int:
@@ -99,14 +105,10 @@ class Sequence:
         return len(self.prompt_ids)
 
     @property
-    def cache_limit(self) -> int:
-        """How many leading tokens the prefix cache may serve: all but the last (the model runs
-        on at least one token, whose logits the next token is sampled from); with
-        prompt_logprobs, only the rows whose logprobs are out already, since every other prompt
-        row's logits must be computed and the cache holds keys and values, not logits."""
-        if self.params.prompt_logprobs is not None and self.prompt_logprob_rows < len(self.prompt_ids) - 1:
-            return self.prompt_logprob_rows
-        return len(self.all_ids) - 1
+    def owes_prompt_rows(self) -> bool:
+        """Whether the request asks for prompt logprobs and some prompt row's are not out yet:
+        the prefix cache serves it only blocks whose rows' entries it has or the cache kept."""
+        return self.params.prompt_logprobs is not None and self.prompt_logprob_rows < len(self.prompt_ids) - 1
 
     @property
     def num_output_tokens(self) -> int:
@@ -259,22 +261,41 @@ class Scheduler:
             # original order ahead of everything that arrived later.
             self.waiting.extendleft(batch.preempted)
             return batch
-        while self.waiting and budget > 0 and len(running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        self._admit(batch, budget)
+        return batch
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        """Admit waiting sequences in arrival order while the budget, max_num_seqs and the free
+        blocks last. A scoring request (prompt logprobs owed) whose next blocks a running or
+        just admitted one is computing with entries of its k waits for them, a step or a few
+        (serve.logprob_cache): the others are admitted past it meanwhile, then it goes back to
+        the front."""
+        bm, running, waiting = self.block_manager, self.running, self.waiting
+        deferred: list[Sequence] = []
+        in_flight = None  # block hash -> k of the prompt entries running requests will register
+        while waiting and budget > 0 and len(running) < self.max_num_seqs:
+            seq = waiting[0]
             if seq.after is not None:
                 if _prompt_pending(seq.after):
                     break  # FCFS: its sibling's prompt lands in a step or two; then it reuses its blocks
                 seq.after = None
+            if seq.owes_prompt_rows and bm.enable_prefix_caching:
+                in_flight = bm.entries_in_flight(running) if in_flight is None else in_flight
+                if bm.waits_for_entries(seq, in_flight):
+                    deferred.append(waiting.popleft())
+                    continue
             num_new = bm.allocate(seq, budget)
             if num_new == 0:
                 break  # FCFS: the head waits for blocks; nobody overtakes it
-            self.waiting.popleft()
+            waiting.popleft()
             seq.status = SeqStatus.RUNNING
             running.append(seq)
             batch.items.append(ScheduledItem(seq, seq.num_computed, num_new,
                                              seq.num_computed + num_new == seq.num_tokens and seq.generates))
             budget -= num_new
-        return batch
+            if in_flight is not None and seq.owes_prompt_rows:
+                bm.add_in_flight(seq, in_flight)
+        waiting.extendleft(reversed(deferred))
 
     def _lookahead(self, seq: Sequence, speculate: int, budget: int) -> int:
         """Speculative tokens a decode may verify this step: none past max_tokens or the context

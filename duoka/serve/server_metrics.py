@@ -77,6 +77,9 @@ class ServeMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).")
         self.generation_tokens = counter("generation_tokens", "Output tokens generated.")
         self.preemptions = counter("num_preemptions", "Running requests preempted (recomputed later) for lack of KV blocks.")
+        self.logprob_bypass_tokens = counter("prefix_cache_logprob_bypass_tokens",
+                                             "Prefix-cache tokens that requests with prompt logprobs computed again: "
+                                             "their blocks carried no stored prompt logprobs of the request's k.")
         # Speculative decoding, as vLLM's spec_decode series (all 0 without it).
         self.spec_drafts = counter("spec_decode_num_drafts", "Sequence-steps that verified speculative draft tokens.")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative draft tokens verified.")
@@ -133,7 +136,8 @@ class ServeMetrics:
                               (self.preemptions, "num_preemptions"), (self.spec_drafts, "spec_drafts"),
                               (self.spec_draft_tokens, "spec_draft_tokens"),
                               (self.spec_accepted_tokens, "spec_accepted_tokens"),
-                              (self.spec_steps_off, "spec_steps_off")):
+                              (self.spec_steps_off, "spec_steps_off"),
+                              (self.logprob_bypass_tokens, "logprob_bypass_tokens")):
             delta = getattr(stats, field) - (getattr(last, field) if last is not None else 0)
             if delta > 0:
                 metric.inc(delta)

@@ -1,0 +1,93 @@
+"""Prompt logprobs kept with the prefix cache's blocks, so that scoring requests (echo with
+logprobs, vLLM's prompt_logprobs) share a cached prefix instead of computing it again.
+
+What an entry depends on: prefill row p's logits (after tokens 0..p) score prompt token p + 1,
+so token t's entry (its logprob and rank, the k most likely tokens at its place) is a function
+of tokens 0..t and nothing else. The entry of token t is therefore kept with the block that
+holds token t, under that block's chain hash (blocks.block_hash), which names every token up
+to the block's end: tokens 0..t included. Keyed by the block of the row instead (token t - 1's),
+the entry of a block's first token would hang on a hash that does not name that token.
+
+A record is one block's entries: block_size tokens (block 0's first token has none), fp32
+logprobs and top values (the head's log-softmax is fp32: kept exactly), int32 ranks and top
+ids, with the k of the request that computed it. Memory is bounded: a record exists only
+while its hash is in the prefix cache (BlockManager drops it with the block on eviction), and
+k <= MAX_LOGPROBS, so at most num_blocks x block_size x (2 + 2 x 20) x 4 bytes of host memory
+(2.7 KB a 16-token block at k = 20, 0.3% of its 917 KB of keys and values in Qwen2-7B; 256 B
+at lm-eval's k = 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from duoka.serve.params import MAX_LOGPROBS, TokenLogprob
+
+
+@dataclass(frozen=True)
+class BlockRecord:
+    """One block's prompt entries: slot s holds the entry of the block's token s."""
+    k: int
+    logprobs: np.ndarray  # float32 [block_size]; NaN at block 0's slot 0 (no entry)
+    ranks: np.ndarray  # int32 [block_size]
+    top_ids: np.ndarray  # int32 [block_size, k], most likely first
+    top_values: np.ndarray  # float32 [block_size, k]
+
+
+class BlockLogprobs:
+    """Chain hash of a cached full block -> the BlockRecord of its tokens' prompt entries."""
+
+    def __init__(self, block_size: int):
+        self.block_size = block_size
+        self.records: dict[bytes, BlockRecord] = {}
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.logprobs.nbytes + r.ranks.nbytes + r.top_ids.nbytes + r.top_values.nbytes
+                   for r in self.records.values())
+
+    def has(self, block: bytes, k: int) -> bool:
+        """Whether the block carries entries with at least k alternatives per token."""
+        record = self.records.get(block)
+        return record is not None and record.k >= k
+
+    def put(self, block: bytes, entries: list[TokenLogprob], k: int) -> None:
+        """Keep the entries of a block's tokens (block 0's: its tokens 1.., so one fewer), each
+        with k alternatives. A record of at least k already there stays (the same values: both
+        come from the same tokens); a smaller one is replaced."""
+        bs = self.block_size
+        assert 0 <= k <= MAX_LOGPROBS and len(entries) in (bs, bs - 1), (k, len(entries))
+        if self.has(block, k):
+            return
+        first = bs - len(entries)  # 1 for block 0, whose first token has no entry
+        logprobs = np.full(bs, np.nan, dtype=np.float32)
+        ranks = np.zeros(bs, dtype=np.int32)
+        top_ids = np.zeros((bs, k), dtype=np.int32)
+        top_values = np.zeros((bs, k), dtype=np.float32)
+        for slot, entry in enumerate(entries, start=first):
+            assert len(entry.top) == k, (len(entry.top), k)
+            logprobs[slot], ranks[slot] = entry.logprob, entry.rank
+            if k:
+                top_ids[slot], top_values[slot] = zip(*entry.top)
+        self.records[block] = BlockRecord(k, logprobs, ranks, top_ids, top_values)
+
+    def read(self, block: bytes, token_ids: list[int], first: int, k: int) -> list[TokenLogprob]:
+        """The entries of the block's tokens token_ids, which sit at slots first, first + 1, ...,
+        with their k most likely alternatives (a record's own k >= k, cut)."""
+        record = self.records[block]
+        end = first + len(token_ids)
+        assert record.k >= k and end <= self.block_size and not np.isnan(record.logprobs[first:end]).any()
+        # tolist() gives Python floats equal to the fp32 values computed: no rounding on the way back.
+        logprobs, ranks = record.logprobs[first:end].tolist(), record.ranks[first:end].tolist()
+        ids, values = record.top_ids[first:end, :k].tolist(), record.top_values[first:end, :k].tolist()
+        return [TokenLogprob(t, lp, list(zip(i, v)), r)
+                for t, lp, r, i, v in zip(token_ids, logprobs, ranks, ids, values)]
+
+    def drop(self, block: bytes) -> None:
+        """The block left the prefix cache (evicted): its entries go with it."""
+        self.records.pop(block, None)
