@@ -11,8 +11,9 @@ sends once it knows the output length), greedy (guidellm sends no temperature, s
 default would sample: its requests get temperature 0 through `extras`, the value `duoka bench
 serve` and `vllm bench serve` send), --concurrency streams each, --requests requests each, both
 clients at once (each sees the server in the same seconds: a CPU server's speed drifts by 20%
-from one run to the next). guidellm must read every stream without an error; the ratio of the
-two clients' output rates is the result.
+from one run to the next), ours from guidellm's first request on (wait_for_first_request).
+guidellm must read every stream without an error; the ratio of the two clients' output rates
+is the result.
 Exit 0 when they agree, 1 when not, 2 on a setup error.
 
 guidellm: `$GUIDELLM` or `guidellm` on PATH (pip install guidellm, best in a venv of its own:
@@ -27,11 +28,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import httpx2 as httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -102,15 +107,44 @@ def ours_command(url: str, model: str, prompts: Path, requests: int, out_len: in
             *(["--api-key", api_key] if api_key else [])]
 
 
-def run_both(ours_cmd: list[str], guidellm_cmd: list[str], out_json: Path, workers: int | None) -> tuple[dict, dict]:
+def requests_in_flight(url: str, api_key: str | None) -> int | None:
+    """Running plus waiting requests from the server's Prometheus metrics (duoka serve's and
+    vLLM's names end alike); None when it exposes neither."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    try:
+        text = httpx.get(url.rstrip("/") + "/metrics", headers=headers, timeout=5, trust_env=False).text
+    except httpx.HTTPError:
+        return None
+    found = re.findall(r"^\S*num_requests_(?:running|waiting)(?:\{[^}]*\})? ([0-9.e+]+)$", text, re.MULTILINE)
+    return int(sum(float(n) for n in found)) if found else None
+
+
+def wait_for_first_request(theirs: subprocess.Popen, url: str, api_key: str | None, timeout_s: float = 120) -> None:
+    """Until guidellm's first request reaches the server (or guidellm ends, or the server has
+    no such metric). Started together, the clients' start-ups (guidellm's longer, and both
+    stretched on a loaded machine) left one client alone on the server for seconds at one end
+    of its run, with half the streams: on a CPU server beside two busy processes the rates came
+    0.82-0.87 apart (1.14 in another run). Started after its first request, each client runs
+    alone for about our start-up, guidellm at its start and ours at its end: 1.00-1.03."""
+    deadline = time.monotonic() + timeout_s
+    while theirs.poll() is None and time.monotonic() < deadline:
+        inflight = requests_in_flight(url, api_key)
+        if inflight is None or inflight > 0:
+            return
+        time.sleep(0.05)
+
+
+def run_both(ours_cmd: list[str], guidellm_cmd: list[str], out_json: Path, workers: int | None, url: str,
+             api_key: str | None = None) -> tuple[dict, dict]:
     """Both clients at once, on the same server: each sees the server as it is in the same
     seconds (a CPU server's speed drifts by 20% from one run to the next, which made two runs
-    one after the other disagree by as much)."""
+    one after the other disagree by as much); ours starts once guidellm's first request is in."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     if workers:  # on a CPU server, guidellm's worker processes poll and take cores from the server
         env["GUIDELLM__MAX_WORKER_PROCESSES"] = str(workers)
     theirs = subprocess.Popen(guidellm_cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                               cwd=out_json.parent)
+    wait_for_first_request(theirs, url, api_key)
     ours = subprocess.run(ours_cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
                           cwd=ROOT)
     out, err = theirs.communicate()
@@ -131,7 +165,7 @@ def check(url: str, model: str, tokenizer: str, guidellm: str, requests: int, pr
         out_json = Path(tmp) / "guidellm.json"
         cmd = guidellm_command(guidellm, url, model, tokenizer, prompts, requests, concurrency, out_json, api_key)
         ours, theirs = run_both(ours_command(url, model, prompts, requests, out_len, concurrency, api_key), cmd,
-                                out_json, workers)
+                                out_json, workers, url, api_key)
     totals = theirs["requests"]
     ratio = ours["output_tokens_per_s"] / theirs["output_tokens_per_s"]
     agree = (totals["errored"] == 0 and totals["incomplete"] == 0 and totals["successful"] == requests

@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_models import make_folder  # noqa: E402
 
 from duoka.bench import loadgen  # noqa: E402
-from duoka.bench.serving import StartedServer, default_peer, run_peer  # noqa: E402
+from duoka.bench.serving import PEER_SCRIPT, StartedServer, run_peer  # noqa: E402
 from duoka.data.tokenizer import load_tokenizer  # noqa: E402
 
 ADAPTERS = 4
@@ -136,7 +136,8 @@ def main() -> None:
     result["json64_vs_plain64_output"] = (result["json64"]["output_tokens_per_s"]
                                           / result["plain64"]["output_tokens_per_s"])
     if not args.no_peer:
-        peer = run_peer(default_peer(), args.shape, args.requests, 128, 1024, 256, False, args.peer_timeout)
+        peer = run_peer(Path(__file__).resolve().parent / "peers" / PEER_SCRIPT, args.shape, args.requests, 128, 1024,
+                        256, False, args.peer_timeout)
         result["peer"] = peer
         if peer.get("continuous"):
             result["peer_total_tokens_per_s"] = peer["continuous"]["total_tokens_per_s"]

@@ -33,7 +33,7 @@ import time
 import traceback
 from pathlib import Path
 
-from duoka.bench.training import DEFAULT_PEER, bench, stop_process_groups_on_signal
+from duoka.bench.training import TRAIN_PEER, bench, stop_process_groups_on_signal
 
 
 def parse_case(text: str) -> dict:
@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--budget", type=float, required=True, help="seconds; no case starts after 80%% of it")
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--peer", default=str(DEFAULT_PEER))
+    ap.add_argument("--peer", default=str(Path(__file__).resolve().parent / "peers" / TRAIN_PEER))
     a = ap.parse_args()
     stop_process_groups_on_signal()
     out = Path(a.out_dir)

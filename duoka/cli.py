@@ -7,21 +7,61 @@ anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
+import re
 import sys
+import textwrap
 import time
 from pathlib import Path
 
 from duoka import __version__, runtime
 from duoka.cache import compile_cache_env
+from duoka.config import split_overrides, suggest_key
 from duoka.errors import DuokaError, file_error
 from duoka.hub import bundled_model_dir
 
 DEFAULT_PROMPT = "Return the"  # the bundled model read only standard-library docstrings
+# Descriptions are wrapped here (the formatter keeps them and the examples as written): 78
+# columns leave a margin in an 80-column terminal.
+HELP_WIDTH = 78
 
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, except that a mistake on the command line is a DuokaError like every other
+    user error (two lines, `error:` and `fix:`, exit code 2), not a usage dump."""
+
+    def error(self, message: str):
+        command = re.match(r"argument COMMAND: invalid choice: '([^']*)' \(choose from (.*)\)$", message)
+        if command:  # `duoka trian`
+            close = difflib.get_close_matches(command[1], re.findall(r"'([^']*)'", command[2]), n=1)
+            raise DuokaError(f"unknown command {command[1]!r}", (f"did you mean {close[0]}? " if close else "") +
+                             f"`{self.prog} --help` lists the commands")
+        raise DuokaError(message, f"`{self.prog} --help` lists the flags, each with its default")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions and examples as written; every option's help states its default, added
+    here where the text does not say it (flags that are off unless given have none)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or not action.option_strings or action.default in (None, [], argparse.SUPPRESS) \
+                or isinstance(action.default, bool):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def add_command(sub, name: str, help: str, description: str, examples: tuple[str, ...]) -> argparse.ArgumentParser:
+    """One subcommand: its line in `duoka --help`, its description, and examples after its flags."""
+    p = sub.add_parser(name, help=help, description=textwrap.fill(description, HELP_WIDTH),
+                       epilog="examples:\n" + "\n".join(f"  {line}" for line in examples), formatter_class=HelpFormatter)
+    p.set_defaults(command_parser=p)  # the innermost command's parser: unknown_argument names its flags
+    return p
 
 
 # ---------------------------------------------------------------- generate
@@ -30,18 +70,22 @@ def log(message: str) -> None:
 def add_generate_parser(sub) -> None:
     from duoka.serve.config import GENERATE, add_engine_flags
 
-    p = sub.add_parser("generate", help="try a model on one prompt: a run's hf/step-N, a hub id or a folder; the "
-                                        "text streams to stdout",
-                       description="Generate a continuation of PROMPT on the serving engine (the one under `duoka "
-                                   "serve`). Only the generated text goes to stdout; load and speed figures go to "
-                                   "stderr.")
+    p = add_command(sub, "generate", "try a model on one prompt: a run's hf/step-N, a hub id or a folder; the text "
+                                     "streams to stdout",
+                    "Generate a continuation of PROMPT on the serving engine (the one under `duoka serve`). Only the "
+                    "generated text goes to stdout; load and speed figures go to stderr.",
+                    ("duoka generate   # the bundled tiny model, prompt \"Return the\"",
+                     "duoka generate --model runs/a/hf/step-1000 --prompt \"The capital of France is\"",
+                     "duoka generate --model Qwen/Qwen2.5-0.5B-Instruct --chat --prompt \"Hi\""))
     p.add_argument("--prompt", default=None, help="prompt text (default: read stdin when it is not a terminal)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message with the chat template")
     p.add_argument("--system", default=None, help="system message for --chat")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most (fewer when the model "
+                   "ends its text)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: sample from the most likely tokens "
+                   "whose probabilities sum to P (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the K most likely tokens (0 = off)")
     p.add_argument("--seed", type=int, default=None, help="seed for sampling (temperature > 0)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="generate all --max-new-tokens even past the end-of-text token (a briefly trained model "
@@ -136,11 +180,15 @@ def add_serve_parser(sub) -> None:
         add_engine_flags,
     )
 
-    p = sub.add_parser("serve", help="deploy a model: an OpenAI-compatible HTTP API with continuous batching, on "
-                                     "one or several GPUs (--tp)",
-                       description="Serve a Qwen2 model over an OpenAI-compatible HTTP API (/v1/chat/completions, "
-                                   "/v1/completions, /v1/models, /health, /metrics) with continuous batching and a "
-                                   "paged KV cache. SIGTERM or Ctrl-C drains: in-flight requests finish, then exit 0.")
+    p = add_command(sub, "serve", "deploy a model: an OpenAI-compatible HTTP API with continuous batching, on one or "
+                                  "several GPUs (--tp)",
+                    "Serve a Qwen2 model over an OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, "
+                    "/v1/models, /health, /metrics) with continuous batching and a paged KV cache. A request's "
+                    "\"model\" names the served model as GET /v1/models lists it: the MODEL argument as given, or "
+                    "--served-model-name. SIGTERM or Ctrl-C drains: in-flight requests finish, then exit 0.",
+                    ("duoka serve   # the bundled model, named duoka-tiny-qwen2, on 127.0.0.1:8000",
+                     "duoka serve runs/a/hf/step-1000 --tp 2",
+                     "duoka serve Qwen/Qwen2.5-0.5B-Instruct --api-key \"$KEY\" --max-model-len 8192"))
     add_engine_flags(p.add_argument_group("engine (docs/serving.md lists every option)"), SERVE)
     server = p.add_argument_group("server")
     server.add_argument("--host", default=DEFAULT_HOST,
@@ -191,14 +239,17 @@ def run_serve(a: argparse.Namespace) -> int:
 
 
 def add_train_parser(sub) -> None:
-    p = sub.add_parser(
-        "train", help="train or fine-tune on this machine's GPUs (or its CPU), or on many nodes under Slurm or "
+    p = add_command(
+        sub, "train", "train or fine-tune on this machine's GPUs (or its CPU), or on many nodes under Slurm or "
                       "Kubernetes (--slurm-script writes the batch job); no arguments: a one-minute demo on the "
                       "bundled corpus",
-        description="Train on every visible GPU (or one CPU process). Config: defaults < CFG.toml < "
-                    "--section.key=value overrides; see docs/config.md. Under Slurm (srun, one task per node) "
-                    "and in a Kubernetes Indexed Job or Kubeflow PyTorchJob the launch flags left out come from "
-                    "the scheduler's environment; see docs/cluster.md.")
+        "Train on every visible GPU (or one CPU process). Config: defaults < CFG.toml < --section.key=value "
+        "overrides (every key: docs/config.md). Under Slurm (srun, one task per node) and in a Kubernetes "
+        "Indexed Job or Kubeflow PyTorchJob the launch flags left out come from the scheduler's environment; see "
+        "docs/cluster.md.",
+        ("duoka train   # a one-minute demo on the bundled corpus",
+         "duoka train cfg.toml --data.path=data.jsonl --optimizer.lr=1e-5",
+         "duoka train cfg.toml --job.output_dir=runs/a --checkpoint.resume=auto"))
     p.add_argument("config", nargs="?", help="TOML config file")
     p.add_argument("--nproc-per-node", type=int, default=None, help="worker processes on this node "
                    "(default: one per selected GPU, or 1 without GPUs; with --slurm-script: GPUs per node)")
@@ -248,11 +299,13 @@ def run_train(a: argparse.Namespace) -> int:
 
 
 def add_prepare_parser(sub) -> None:
-    p = sub.add_parser("prepare", help="before training on a large corpus: tokenize it once into memory-mapped "
-                                       "shards (then --data.path=OUT)",
-                       description="Text (.txt), JSONL (.jsonl, .jsonl.gz) or Parquet input, one shard per file, "
-                                   "tokenized in parallel. Resumable; a re-run on unchanged input does nothing. "
-                                   "Train on the result with --data.path=OUT.")
+    p = add_command(sub, "prepare", "before training on a large corpus: tokenize it once into memory-mapped shards "
+                                    "(then --data.path=OUT)",
+                    "Text (.txt), JSONL (.jsonl, .jsonl.gz) or Parquet input, one shard per file, tokenized in "
+                    "parallel. Resumable; a re-run on unchanged input does nothing. Train on the result with "
+                    "--data.path=OUT.",
+                    ("duoka prepare --data corpus/ --out tokens/ --tokenizer /models/Qwen2.5-0.5B",
+                     "duoka train --model.path=/models/Qwen2.5-0.5B --data.path=tokens/"))
     p.add_argument("--data", required=True, help="a file or a folder of files")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--tokenizer", default=None, help="folder or hub id with tokenizer.json "
@@ -275,15 +328,22 @@ def run_prepare(a: argparse.Namespace) -> int:
 
 
 def add_export_parser(sub) -> None:
-    p = sub.add_parser("export", help="turn any training checkpoint into a Hugging Face folder (the final one is "
-                                      "in RUN/hf/ already)",
-                       description="Convert RUN_DIR/checkpoints/step-N (torch.distributed.checkpoint, any layout) "
-                                   "into config.json + safetensors + tokenizer files that transformers loads.")
+    p = add_command(sub, "export", "turn any training checkpoint into a Hugging Face folder (the final one is in "
+                                   "RUN/hf/ already)",
+                    "Convert RUN_DIR/checkpoints/step-N (torch.distributed.checkpoint, any layout) into config.json "
+                    "+ safetensors + tokenizer files that transformers loads. The weights keep the dtype the "
+                    "checkpoint stores them in (float32: duoka trains on fp32 master weights, bf16 runs too), as "
+                    "RUN/hf/step-N does, unless --dtype says otherwise.",
+                    ("duoka export runs/a/checkpoints/step-1000 --out hf_model/",
+                     "duoka export runs/a/checkpoints/step-1000 --out hf16/ --dtype bfloat16",
+                     "duoka export runs/lora/hf/step-800 --merge --out merged/"))
     p.add_argument("checkpoint", help="a checkpoints/step-N folder, or with --merge a LoRA adapter folder")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "float16"),
-                   help="of the whole model written (a LoRA adapter keeps its fp32)")
-    p.add_argument("--max-shard-size", default="5GB")
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="of the whole model written (default auto: as stored, the checkpoint's dtype, or with "
+                        "--merge the base model's; a LoRA adapter keeps its float32)")
+    p.add_argument("--max-shard-size", default="5GB", help="the largest safetensors file; larger models are split "
+                   "into files of at most this size with an index (default 5GB, as transformers)")
     p.add_argument("--merge", action="store_true",
                    help="LoRA: write the base with the adapter merged in, as a whole model (default: the adapter, "
                         "in PEFT's format)")
@@ -315,70 +375,31 @@ def run_export(a: argparse.Namespace) -> int:
         out = export_checkpoint(source, Path(a.out), a.dtype, a.max_shard_size,
                                 warn=lambda message: log(f"duoka: warning: {message}"), merge=a.merge,
                                 base=a.base, trust_unverified=a.trust_unverified, check_weights=a.check_weights)
-    log(f"duoka: exported {a.checkpoint} -> {out} in {time.perf_counter() - t:.1f} s")
+    log(f"duoka: exported {a.checkpoint} -> {out} ({_written(out)}) in {time.perf_counter() - t:.1f} s")
     print(out)
     return 0
 
 
+def _written(folder: Path) -> str:
+    """What an export wrote: the dtype of a whole model's weights, or a LoRA adapter."""
+    from duoka.models.qwen2.hf_adapter import checkpoint_dtype
+    from duoka.models.qwen2.peft import is_adapter_folder
+
+    if is_adapter_folder(folder):
+        return "a LoRA adapter in PEFT's format, float32"
+    return str(checkpoint_dtype(folder)).removeprefix("torch.")
+
+
 def add_plan_parser(sub) -> None:
-    p = sub.add_parser("plan", help="before training: which parallel layout fits N GPUs and is fastest, memory per "
-                                    "GPU, a ready config (--out)",
-                       description="Estimate per-GPU memory (weights, gradients, optimizer, activations, logits, "
-                                   "buffers) for every layout duoka runs, rank those that fit by estimated step "
-                                   "time, explain the first and print a config for it. Flags left out are read "
-                                   "from this machine's GPUs. See docs/plan.md.")
-    p.add_argument("--model", required=True, help="flavor (qwen2-7b, or 7b for short) or a Hugging Face folder / hub id")
-    p.add_argument("--gpus", type=int, default=None, help="GPUs of the whole job, all nodes together "
-                   "(default: this node's visible GPUs x --nodes)")
-    p.add_argument("--nodes", type=int, default=None, help="nodes the GPUs are spread over (default 1; with "
-                   "--scaling, nodes of 8)")
-    p.add_argument("--gpu-memory", type=float, default=None, metavar="GiB",
-                   help="memory of one GPU in GiB (default: read from this machine's GPUs)")
-    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 2048, or the model's "
-                   "context when shorter)")
-    p.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (default 8 per GPU)")
-    p.add_argument("--micro-batch", type=int, default=None, help="plan only with this micro-batch (default: every "
-                   "power of two dividing the per-GPU batch)")
-    p.add_argument("--activation-checkpointing", choices=("none", "full"), default=None,
-                   help="plan only with (full) or without (none) checkpointing (default: both)")
-    from dataclasses import fields
+    from duoka.plan.flags import PLAN_EXAMPLES, add_plan_flags
 
-    from duoka.config import OptimizerConfig  # not duoka.plan.optimizer_costs: `duoka --help` loads no torch
-
-    choices = {f.name: f.metadata["choices"] for f in fields(OptimizerConfig)}
-    p.add_argument("--optimizer", choices=choices["name"], default=None,
-                   help="optimizer.name to plan with (default adamw; when AdamW fits nowhere, the plan proposes one "
-                        "that fits)")
-    p.add_argument("--offload", choices=choices["offload"], default=None,
-                   help="optimizer.offload: cpu puts AdamW's state and step on the host (one GPU; default none)")
-    p.add_argument("--sgd-momentum", type=float, default=None,
-                   help="optimizer.sgd_momentum with --optimizer sgd (0: no momentum buffer; default 0.9)")
-    p.add_argument("--host-memory", type=float, default=None, metavar="GiB",
-                   help="host RAM per GPU, the limit of an offloaded optimizer (default: this machine's RAM per GPU "
-                        "when its GPUs are planned for, else unchecked)")
-    p.add_argument("--interconnect", choices=("nvlink", "pcie", "ib"), default=None,
-                   help="link between the GPUs of one node (default: detected, else nvlink); ib: none but the NIC")
-    from duoka.plan.network import DEFAULT_NETWORK, NETWORKS
-
-    p.add_argument("--network", choices=tuple(NETWORKS), default=None,
-                   help=f"the network between nodes (default {DEFAULT_NETWORK}): ib-ndr/ib-hdr/roce-400/roce-200 a "
-                        "NIC of 400/200 Gb/s per GPU with RDMA; eth-400/200/100 one NIC per node, TCP")
-    p.add_argument("--intra-bw", type=float, default=None, metavar="GB/s",
-                   help="bus bandwidth per GPU inside a node, as nccl-tests reports it (default: 350 nvlink, 25 pcie)")
-    p.add_argument("--inter-bw", type=float, default=None, metavar="Gb/s",
-                   help="NIC line rate per GPU across nodes (default: the --network's; e.g. one 100 Gb/s NIC shared "
-                        "by 8 GPUs is 12.5)")
-    p.add_argument("--inter-latency-us", type=float, default=None, metavar="us",
-                   help="one ring step across nodes (default 9.6, NCCL's figure for RDMA networks)")
-    p.add_argument("--scaling", nargs="?", const="weak", default=None, choices=("weak", "strong"),
-                   help="a table from one node to --gpus (default 1024): step time, tokens/s per GPU, efficiency "
-                        "and the largest overhead per size; weak (default): batch per GPU fixed, strong: global "
-                        "batch fixed")
-    p.add_argument("--family", choices=("ddp", "fsdp", "hsdp", "tp", "pp"), default=None,
-                   help="with --scaling: only layouts of this family at every size (default: the plan's first)")
-    p.add_argument("--top", type=int, default=10, help="layouts to show (default 10)")
-    p.add_argument("--json", action="store_true", help="print the whole plan as JSON instead of tables")
-    p.add_argument("--out", default=None, help="write the recommended config to this TOML file")
+    p = add_command(sub, "plan", "before training: which parallel layout fits N GPUs and is fastest, memory per GPU, "
+                                 "a ready config (--out)",
+                    "Estimate per-GPU memory (weights, gradients, optimizer, activations, logits, buffers) for every "
+                    "layout duoka runs, rank those that fit by estimated step time, explain the first and print a "
+                    "config for it. Flags left out are read from this machine's GPUs. See docs/plan.md.",
+                    PLAN_EXAMPLES)
+    add_plan_flags(p)
     p.set_defaults(func=run_plan)
 
 
@@ -455,15 +476,18 @@ def run_plan_scaling(a: argparse.Namespace, model, links: dict) -> int:
 
 
 def add_monitor_parser(sub) -> None:
-    p = sub.add_parser("monitor", help="while a run trains: live loss, speed, MFU and per-GPU readings (from "
-                                       "another terminal)",
-                       description="Follows RUN_DIR/metrics.jsonl: loss, speed, MFU, the step breakdown, one row "
-                                   "per rank with its GPU's readings, balance shares and alerts. --gpus adds this "
-                                   "machine's GPUs like nvidia-smi, labelled with the run's ranks.")
+    p = add_command(sub, "monitor", "while a run trains: live loss, speed, MFU and per-GPU readings (from another "
+                                    "terminal)",
+                    "Follows RUN_DIR/metrics.jsonl: loss, speed, MFU, the step breakdown, one row per rank with its "
+                    "GPU's readings, balance shares and alerts. --gpus adds this machine's GPUs like nvidia-smi, "
+                    "labelled with the run's ranks. The tables fit the terminal's width (80 columns when piped): "
+                    "columns without readings are left out, and the rest named below the table.",
+                    ("duoka monitor runs/7b --gpus",
+                     "duoka monitor runs/7b --once | tail -20   # one frame, e.g. from a script"))
     p.add_argument("run_dir", nargs="?", default=None, help="a duoka train job.output_dir")
     p.add_argument("--gpus", action="store_true", help="show this machine's GPUs (NVML)")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes of the live view")
     p.set_defaults(func=run_monitor)
 
 
@@ -479,10 +503,11 @@ def run_monitor(a: argparse.Namespace) -> int:
 
 
 def add_report_parser(sub) -> None:
-    p = sub.add_parser("report", help="after (or during) a run: one HTML page of plots and alerts to keep or share",
-                       description="Write RUN_DIR/report.html: loss, throughput, MFU, the step breakdown, per-GPU "
-                                   "utilisation and memory, balance shares, alerts and the config, as inline SVG "
-                                   "(opens from disk, no server, no network).")
+    p = add_command(sub, "report", "after (or during) a run: one HTML page of plots and alerts to keep or share",
+                    "Write RUN_DIR/report.html: loss, throughput, MFU, the step breakdown, per-GPU utilisation and "
+                    "memory, balance shares, alerts and the config, as inline SVG (opens from disk, no server, no "
+                    "network).",
+                    ("duoka report runs/7b   # writes runs/7b/report.html",))
     p.add_argument("run_dir", help="a duoka train job.output_dir")
     p.add_argument("--out", default=None, help="default: RUN_DIR/report.html")
     p.set_defaults(func=run_report)
@@ -497,12 +522,14 @@ def run_report(a: argparse.Namespace) -> int:
 
 
 def add_doctor_parser(sub) -> None:
-    p = sub.add_parser("doctor", help="first thing on a new machine, or after a failure: driver, GPUs, NCCL, links, "
-                                      "with fixes; --explain LOG",
-                       description="Checks Python, PyTorch against the driver, the GPUs (busy, ECC, throttling), "
-                                   "memory for --model, CPU/RAM/shm, NCCL, GPU links, InfiniBand, risky NCCL "
-                                   "variables, the rendezvous port and disk. Exit code 0: all pass, 1: warnings, "
-                                   "2: failures. --explain reads a log and names the known failure in it.")
+    p = add_command(sub, "doctor", "first thing on a new machine, or after a failure: driver, GPUs, NCCL, links, "
+                                   "with fixes; --explain LOG",
+                    "Checks Python, PyTorch against the driver, the GPUs (busy, ECC, throttling), memory for --model, "
+                    "CPU/RAM/shm, NCCL, GPU links, InfiniBand, risky NCCL variables, the rendezvous port and disk. "
+                    "Exit code 0: all pass, 1: warnings, 2: failures. --explain reads a log and names the known "
+                    "failure in it.",
+                    ("duoka doctor --model qwen2-7b --bench",
+                     "duoka doctor --explain runs/7b/train.log"))
     p.add_argument("--model", default=None, help="a flavor or model folder: does it fit these GPUs? (duoka plan)")
     p.add_argument("--bench", action="store_true", help="also measure matmul TFLOP/s, copy and all-reduce bandwidth")
     p.add_argument("--port", type=int, default=29500, help="rendezvous port to check")
@@ -549,8 +576,8 @@ def run_doctor(a: argparse.Namespace) -> int:
     facts = gather(a.port, a.disk)
     results = run_checks(facts, a.model)
     bench = None
-    if a.bench:
-        from duoka.doctor.bandwidth import run_bench
+    if a.bench:  # imported here: it imports torch
+        from duoka.doctor.bandwidth import render_bench, run_bench
 
         bench = run_bench(len(facts.gpus))
     if a.json:
@@ -559,48 +586,20 @@ def run_doctor(a: argparse.Namespace) -> int:
     else:
         render(results, console)
         if bench:
-            _render_bench(bench, console)
+            render_bench(bench, console)
     return exit_code(results)
 
 
-def _render_bench(bench: dict, console) -> None:
-    if "matmul_tflops" in bench:
-        for i, (t, c) in enumerate(zip(bench["matmul_tflops"], bench["copy_gbps"])):
-            console.print(f"GPU {i}: bf16 matmul {t:.0f} TFLOP/s, host->device {c['host_to_device']:.1f} GB/s, "
-                          f"device->host {c['device_to_host']:.1f} GB/s")
-        console.print(f"static load-balance weights: --parallel.balance_weights={bench['balance_weights']}")
-    else:
-        console.print(f"CPU mode: fp32 matmul {bench['cpu_matmul_tflops'] * 1e3:.0f} GFLOP/s")
-    for row in bench.get("allreduce") or bench.get("allreduce_gloo_cpu") or []:
-        console.print(f"all-reduce {row['bytes'] / 2**20:8.0f} MiB: algbw {row['algbw_gbps']:7.1f} GB/s, "
-                      f"busbw {row['busbw_gbps']:7.1f} GB/s")
-
-
 def add_bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="measure training speed (tokens/s/GPU, MFU, memory), or with `bench serve` "
-                                     "a server's throughput and latency; optionally vs transformers",
-                       description="Runs duoka train on random tokens for warm-up + timed steps on the visible "
-                                   "GPUs and reports tokens/s/GPU, MFU, peak memory and the step-time breakdown. "
-                                   "`duoka bench serve` measures serving instead.")
-    p.add_argument("--model", default="qwen2-0.5b", help="flavor (qwen2-0.5b, qwen2-1.5b, qwen2-7b, ...)")
-    p.add_argument("--layout", default="ddp", help="parts joined by +: ddp | fsdp | hsdpR | tpN | ppN | ac | compile "
-                                                   "| fused | reduce-every | noreshard")
-    p.add_argument("--seq", type=int, default=2048)
-    p.add_argument("--micro-batch", type=int, default=4)
-    p.add_argument("--steps", type=int, default=10, help="timed steps")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    p.add_argument("--global-batch", type=int, default=None, help="default: micro-batch x data-parallel ranks")
-    p.add_argument("--nproc-per-node", type=int, default=None, help="default: one per visible GPU")
-    p.add_argument("--vs-peer", action="store_true", help="also run the transformers peer in this call")
-    p.add_argument("--peer", default=None,
-                   help="peer script (default: the repository's bench/peers/train_peer.py; an installed duoka "
-                        "has no bench/, so give a copy of it here)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="extra duoka train setting, e.g. --set parallel.reshard_after_forward=false (repeatable)")
-    p.add_argument("--profile", action="store_true",
-                   help="profile the last warm-up step; the top kernels by device time go into the JSON")
-    p.add_argument("--timeout", type=int, default=1200, help="seconds per run")
-    p.add_argument("--out", default=None, help="write the JSON result here")
+    from duoka.bench.flags import BENCH_EXAMPLES, add_bench_flags
+
+    p = add_command(sub, "bench", "measure training speed (tokens/s/GPU, MFU, memory), or with `bench serve` a "
+                                  "server's throughput and latency; optionally vs transformers",
+                    "Runs duoka train on random tokens for warm-up + timed steps on the visible GPUs (or CPU "
+                    "processes) and reports tokens/s/GPU, MFU, peak memory and the step-time breakdown, with a "
+                    "progress line per step. `duoka bench serve` measures serving instead.",
+                    BENCH_EXAMPLES)
+    add_bench_flags(p)
     p.set_defaults(func=run_bench)
     modes = p.add_subparsers(dest="bench_mode", metavar="[serve]")  # none: training, as before
     add_bench_serve_parser(modes)
@@ -611,11 +610,12 @@ def run_bench(a: argparse.Namespace) -> int:
 
     from rich.console import Console
 
-    from duoka.bench.training import DEFAULT_PEER, bench, render, stop_process_groups_on_signal
+    from duoka.bench.training import TRAIN_PEER, bench, render, repository_peer, stop_process_groups_on_signal
 
     stop_process_groups_on_signal()  # a stopped `duoka bench` takes its training workers with it
     result = bench(a.model, a.layout, a.seq, a.micro_batch, a.steps, a.warmup, a.global_batch, a.vs_peer,
-                   Path(a.peer) if a.peer else DEFAULT_PEER, a.nproc_per_node, a.timeout, a.set, a.profile)
+                   Path(a.peer) if a.peer else repository_peer(TRAIN_PEER), a.nproc_per_node, a.timeout, a.set,
+                   a.profile, log=log)
     render(result, Console(stderr=True))
     text = json.dumps(result, indent=1)
     if a.out:
@@ -627,53 +627,17 @@ def run_bench(a: argparse.Namespace) -> int:
 
 
 def add_bench_serve_parser(sub) -> None:
-    p = sub.add_parser(
-        "serve", help="measure a server's throughput and latency (TTFT, TPOT, ITL) through the OpenAI API, "
+    from duoka.bench.flags import BENCH_SERVE_EXAMPLES, add_bench_serve_flags
+
+    p = add_command(
+        sub, "serve", "measure a server's throughput and latency (TTFT, TPOT, ITL) through the OpenAI API, "
                       "optionally vs transformers",
-        description="Sends a fixed workload through a server's OpenAI API (/v1/completions, streamed, ignore_eos) "
-                    "and reports request and token throughput, time to first token, time per output token and "
-                    "inter-token latency (mean, median, p99), as `vllm bench serve` does. The server is the one "
-                    "at --url, or a `duoka serve` started here from --model and stopped at the end.")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--model", default=None,
-                       help="start `duoka serve MODEL` (folder or hub id; default: the bundled tiny model)")
-    where.add_argument("--url", default=None, help="benchmark the server running at this base URL instead")
-    p.add_argument("--model-name", default=None, help="the model name to send (default: the server's first model)")
-    p.add_argument("--api-key", default=None, help=f"bearer key for the server (default: ${SERVE_API_KEY_ENV})")
-    p.add_argument("--serve-arg", action="append", default=[], metavar="ARGS",
-                   help='extra flags for the duoka serve started here, e.g. --serve-arg "--device cpu" or '
-                        "--serve-arg=--enforce-eager (repeatable)")
-    p.add_argument("--requests", type=int, default=None,
-                   help="requests to send (default 256, or every line of --prompts)")
-    p.add_argument("--prompt-min", type=int, default=128, help="shortest random prompt in tokens (default 128)")
-    p.add_argument("--prompt-max", type=int, default=1024, help="longest random prompt in tokens (default 1024)")
-    p.add_argument("--out-len", type=int, default=256, help="output tokens per request (default 256)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals (default 0, the peer's)")
-    p.add_argument("--vocab", type=int, default=None,
-                   help="draw prompt ids from [1, VOCAB) (default: the model's vocab_size)")
-    p.add_argument("--prompts", default=None, metavar="FILE.jsonl",
-                   help='send these prompts instead: one {"prompt": text or token ids} per line')
-    p.add_argument("--concurrency", type=int, default=None, help="at most N requests in flight (default: all)")
-    p.add_argument("--request-rate", type=float, default=None,
-                   help="Poisson arrivals at R requests/s (seeded) instead of all at once")
-    p.add_argument("--duration", type=float, default=None,
-                   help="with --request-rate: send what arrives in this many seconds")
-    p.add_argument("--warmup", type=int, default=1, help="untimed requests first (default 1)")
-    p.add_argument("--batch1", action="store_true",
-                   help="also one streamed request alone (128-token prompt): decode tokens/s, from the "
-                        "difference of --out-len tokens and a quarter of them (prefill cancels out)")
-    p.add_argument("--vs-peer", action="store_true",
-                   help="also run the transformers peer on the same prompts, once the server is stopped")
-    p.add_argument("--peer", default=None,
-                   help="peer script (default: the repository's bench/peers/serve_peer.py; an installed duoka "
-                        "has no bench/, so give a copy of it here)")
-    p.add_argument("--peer-model", default=None, help="the peer's shape: 0.5b, 1.5b or 7b (default: from the model)")
-    p.add_argument("--peer-timeout", type=float, default=1800.0, help="seconds for the peer run (default 1800)")
-    p.add_argument("--start-timeout", type=float, default=900.0,
-                   help="seconds the started server may take to be ready (default 900)")
-    p.add_argument("--out", nargs="?", const="", default=None, metavar="FILE",
-                   help="write the JSON result to FILE (no FILE: bench/results/serve/<model>-<load>-<time>.json); "
-                        "default: stdout")
+        "Sends a fixed workload through a server's OpenAI API (/v1/completions, streamed, ignore_eos) and reports "
+        "request and token throughput, time to first token, time per output token and inter-token latency (mean, "
+        "median, p99), as `vllm bench serve` does, with progress lines as requests finish. The server is the one "
+        "at --url, or a `duoka serve` started here from --model and stopped at the end.",
+        BENCH_SERVE_EXAMPLES)
+    add_bench_serve_flags(p, SERVE_API_KEY_ENV)
     p.set_defaults(func=run_bench_serve)
 
 
@@ -708,29 +672,11 @@ def run_bench_serve(a: argparse.Namespace) -> int:
     return 1 if a.vs_peer and result["vs_peer"] is None else 0  # the comparison asked for did not happen
 
 
-def split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
-    """Take `--section.key=value` / `--section.key value` out before argparse sees them
-    (a dotted flag name is an override; its section is checked by the config)."""
-    rest, overrides = [], []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg.startswith("--") and "." in arg[2:].split("=", 1)[0]:
-            overrides.append(arg)
-            if "=" not in arg and i + 1 < len(argv):
-                overrides.append(argv[i + 1])
-                i += 1
-        else:
-            rest.append(arg)
-        i += 1
-    return rest, overrides
-
-
 # ---------------------------------------------------------------- entry point
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="duoka", description="Train and serve Qwen2-family models on many GPUs.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="first run: duoka train   (a one-minute demo; it ends with a command to try)\n"
@@ -756,16 +702,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
-    overrides: list[str] = []
-    if argv and argv[0] == "train":
-        argv, overrides = split_overrides(argv)
-    args = parser.parse_args(argv)
-    args.overrides = overrides
-    if not getattr(args, "func", None):
-        parser.print_help(sys.stderr)
-        return 2
     try:
+        args = parse_command_line(parser, list(sys.argv[1:] if argv is None else argv))
+        if not getattr(args, "func", None):
+            parser.print_help(sys.stderr)
+            return 2
         return args.func(args)
     except DuokaError as e:
         print_error(e)
@@ -780,6 +721,40 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print_error(error)
         return 2
+
+
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """The flags, with `duoka train`'s --section.key=value overrides set apart (args.overrides);
+    a flag the command does not know is one error naming it and what to write instead."""
+    overrides: list[str] = []
+    if argv and argv[0] == "train":
+        argv, overrides = split_overrides(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        raise unknown_argument(args, unknown, argv)
+    args.overrides = overrides
+    return args
+
+
+def unknown_argument(args: argparse.Namespace, unknown: list[str], argv: list[str]) -> DuokaError:
+    """The error for arguments a command does not take: for `duoka train`, the config key a
+    flag most likely means (--lr -> --optimizer.lr), else the command's closest flag."""
+    usage = getattr(args, "command_parser", None)
+    command = usage.prog if usage is not None else "duoka"
+    flag = next((u for u in unknown if u.startswith("-")), None)
+    if flag is None:
+        return DuokaError(f"unexpected argument {unknown[0]!r}", f"`{command} --help` lists what {command} takes")
+    name, _, value = flag.lstrip("-").partition("=")
+    following = argv[argv.index(flag) + 1:argv.index(flag) + 2]  # --lr 1e-3: argparse took 1e-3 as a positional
+    value = value or (following[0] if following and not following[0].startswith("-") else "VALUE")
+    if getattr(args, "command", None) == "train":
+        key = suggest_key(name)
+        example = f"--{key}={value}" if key else "--optimizer.lr=1e-3 (docs/config.md lists every key)"
+        return DuokaError(f"unknown flag --{name}", f"pass config keys as --section.key=value, e.g. {example}")
+    known = set(re.findall(r"--([\w-]+)", usage.format_help())) if usage is not None else set()
+    close = difflib.get_close_matches(name, sorted(known), n=1)
+    hint = f"did you mean --{close[0]}? " if close else ""
+    return DuokaError(f"unknown flag --{name}", f"{hint}`{command} --help` lists the flags, each with its default")
 
 
 def print_error(e: DuokaError) -> None:

@@ -23,6 +23,12 @@ class DuokaError(Exception):
         return (type(self), (self.cause, self.fix))
 
 
+# Install hints for the optional features, named by pyproject.toml's extras (which hold the
+# versions tested): an error naming a missing package gives these as its fix.
+QUANT_INSTALL = "pip install 'duoka[quant]' (torchao; with a PyTorch other than 2.13, the torchao release made for it)"
+DATA_INSTALL = "pip install 'duoka[data]' (pyarrow)"
+
+
 # The file-system errors a user's setup causes (an output folder that is read-only, a full
 # disk), with their fix; any other OSError stays a bug's traceback.
 _FILE_ERRORS = {

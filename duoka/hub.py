@@ -13,6 +13,10 @@ from duoka.errors import DuokaError
 # What a Qwen2 folder needs; weights as safetensors only (we never unpickle, so *.bin
 # files are not worth downloading).
 HUB_FILE_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model"]
+# huggingface_hub's command is `hf` from 0.34 on (2.x ships only `hf`); duoka accepts 0.24 and
+# later, whose older releases have `huggingface-cli` instead.
+OLD_CLI_NOTE = "huggingface_hub before 0.34"
+
 
 def bundled_model_dir() -> Path:
     """A tiny Qwen2 shipped in the package (tools/make_tiny_model.py made it), so that
@@ -58,15 +62,16 @@ def _from_hub(repo_id: str, revision: str | None) -> Path:
         return Path(snapshot_download(repo_id, revision=revision, allow_patterns=HUB_FILE_PATTERNS))
     except (RepositoryNotFoundError, GatedRepoError) as e:
         raise DuokaError(f"hub model {repo_id} is not accessible: {type(e).__name__}",
-                         "check the id's spelling, or run `huggingface-cli login` for a gated model") from None
+                         "check the id's spelling, or log in for a gated model: `hf auth login` "
+                         f"({OLD_CLI_NOTE}: `huggingface-cli login`)") from None
     except RevisionNotFoundError:
         raise DuokaError(f"hub model {repo_id} has no revision {revision!r}", "use an existing branch, tag or commit") from None
     except LocalEntryNotFoundError:
         raise DuokaError(
             f"{repo_id} is neither a local folder nor in the Hugging Face cache ({HF_HUB_CACHE}), and it could not be "
             "downloaded (offline, or HF_HUB_OFFLINE=1)",
-            f"download it where there is network (`huggingface-cli download {repo_id}`) and copy the cache, "
-            "or pass a local folder",
+            f"download it where there is network (`hf download {repo_id}`; {OLD_CLI_NOTE}: `huggingface-cli "
+            f"download {repo_id}`) and copy the cache, or pass a local folder",
         ) from None
     except HfHubHTTPError as e:
         raise DuokaError(f"downloading {repo_id} failed: {e}", "retry, or pass a local folder") from None

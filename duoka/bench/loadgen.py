@@ -24,6 +24,7 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,9 @@ CONNECT_TIMEOUT_S = 10.0
 # The batch-1 measurement: the prompt length the issue's figure uses, repeated runs, median.
 BATCH1_PROMPT_TOKENS = 128
 BATCH1_RUNS = 3
+# A progress line while a load runs at most this often (a 256-request load on a GPU takes
+# minutes; lines per request would flood the log).
+PROGRESS_INTERVAL_S = 5.0
 
 
 @dataclass
@@ -247,29 +251,52 @@ async def send(client: httpx.AsyncClient, model: str, request: Request) -> Resul
     return out
 
 
+class Progress:
+    """Counts finished requests; hands `report` a line at most every PROGRESS_INTERVAL_S, and
+    one for the last request."""
+
+    def __init__(self, total: int, report: Callable[[str], None] | None):
+        self.total, self.report = total, report
+        self.done = self.failed = self.tokens = 0
+        self.start = self.last = time.perf_counter()
+
+    def add(self, result: Result) -> Result:
+        self.done += 1
+        self.failed += not result.ok
+        self.tokens += result.output_tokens
+        now = time.perf_counter()
+        if self.report is not None and (now - self.last >= PROGRESS_INTERVAL_S or self.done == self.total):
+            self.last = now
+            self.report(f"{self.done}/{self.total} requests done ({self.failed} failed), {self.tokens:,} output "
+                        f"tokens, {now - self.start:.1f} s")
+        return result
+
+
 async def _run(url: str, model: str, requests: list[Request], concurrency: int | None, arrivals: list[float] | None,
-               api_key: str | None) -> tuple[list[Result], float]:
+               api_key: str | None, progress: Callable[[str], None] | None = None) -> tuple[list[Result], float]:
     gate = asyncio.Semaphore(concurrency) if concurrency else None
     async with _client(url, api_key, concurrency) as client:
         start = time.perf_counter()
+        counted = Progress(len(requests), progress)
 
         async def one(i: int) -> Result:
             if arrivals is not None:
                 await asyncio.sleep(max(0.0, start + arrivals[i] - time.perf_counter()))
             if gate is None:
-                return await send(client, model, requests[i])
+                return counted.add(await send(client, model, requests[i]))
             async with gate:
-                return await send(client, model, requests[i])
+                return counted.add(await send(client, model, requests[i]))
 
         results = await asyncio.gather(*(one(i) for i in range(len(requests))))
         return list(results), time.perf_counter() - start
 
 
 def run_load(url: str, model: str, requests: list[Request], concurrency: int | None = None,
-             arrivals: list[float] | None = None, api_key: str | None = None) -> dict:
+             arrivals: list[float] | None = None, api_key: str | None = None,
+             progress: Callable[[str], None] | None = None) -> dict:
     """Send `requests` (at most `concurrency` in flight; at `arrivals` offsets when given, else
-    all at once) and summarize them."""
-    results, wall_s = asyncio.run(_run(url, model, requests, concurrency, arrivals, api_key))
+    all at once) and summarize them; `progress` gets a line now and then as they finish."""
+    results, wall_s = asyncio.run(_run(url, model, requests, concurrency, arrivals, api_key, progress))
     return summarize(results, wall_s)
 
 

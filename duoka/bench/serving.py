@@ -8,7 +8,8 @@ peer's random token-id prompts (or a JSONL of prompts), all at once, at most N i
 as Poisson arrivals; then, with --batch1, one request alone. With --vs-peer the peer script
 (the repository's bench/peers/serve_peer.py, or --peer) runs the same
 prompts through transformers' continuous batching once the server has given the GPU back;
-vs_peer = our total tokens/s / the peer's.
+vs_peer = our total tokens/s / the peer's. Random prompts draw their ids from the vocabulary
+the server reports (duoka serve's /v1/models gives vocab_size), else the model folder's.
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ import httpx2 as httpx
 
 from duoka import __version__
 from duoka.bench import loadgen
+from duoka.bench.training import peer_missing, repository_peer
 from duoka.errors import DuokaError
 from duoka.host.ports import free_port
 from duoka.hub import bundled_model_dir, resolve_model_dir
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository (or site-packages): what PYTHONPATH needs for duoka
-PEER_SCRIPT = "serve_peer.py"
+PEER_SCRIPT = "serve_peer.py"  # in the repository's bench/peers/
 PEER_MODELS = ("0.5b", "1.5b", "7b", "tiny")
 # The peer's published shapes by (hidden_size, num_hidden_layers), to name --peer-model from a folder.
 PEER_SHAPES = {(896, 24): "0.5b", (1536, 28): "1.5b", (3584, 28): "7b"}
@@ -45,12 +47,6 @@ DEFAULT_START_TIMEOUT_S = 900.0
 # After SIGTERM the server drains (nothing is in flight by then) and exits; past this, SIGKILL.
 STOP_TIMEOUT_S = 60.0
 HEALTH_POLL_S = 0.2
-
-
-def default_peer() -> Path:
-    """The repository's serving peer, bench/peers/serve_peer.py beside this package's folder. An
-    installed duoka (site-packages) has no bench/ there: --vs-peer then needs --peer."""
-    return ROOT / "bench" / "peers" / PEER_SCRIPT
 
 
 @dataclass
@@ -65,7 +61,7 @@ class ServeBenchOptions:
     prompt_max: int = 1024
     out_len: int = 256
     seed: int = 0
-    vocab: int | None = None  # default: the model folder's vocab_size
+    vocab: int | None = None  # default: the vocab_size the server reports, else the model folder's
     prompts: str | None = None
     concurrency: int | None = None
     request_rate: float | None = None
@@ -274,8 +270,9 @@ def _build_workload(o: ServeBenchOptions, vocab: int | None) -> tuple[list[loadg
                     "prompt_max": max(lengths) if lengths else None}
     else:
         if vocab is None:
-            raise DuokaError("the vocabulary size for random prompts is unknown (the served model is not a folder "
-                             "this machine has)", "give --vocab N (the model's config.json vocab_size)")
+            raise DuokaError("the vocabulary size for random prompts is unknown: the server's /v1/models names no "
+                             "vocab_size (duoka serve's does) and the served model is not a folder this machine has",
+                             "give --vocab N (the model's config.json vocab_size), or --prompts FILE")
         n = len(arrivals) if arrivals is not None else o.requests or 256
         requests = [loadgen.Request(p, o.out_len)
                     for p in loadgen.random_prompts(n, o.prompt_min, o.prompt_max, vocab, o.seed)]
@@ -324,7 +321,7 @@ def _measure(o: ServeBenchOptions, config: dict | None, log) -> tuple:
         if o.url:
             config = _model_config(name) if Path(str(name)).is_dir() else None
         peer_model = _peer_model(o, config) if o.vs_peer else None
-        vocab = o.vocab or (config or {}).get("vocab_size")
+        vocab = o.vocab or served.get("vocab_size") or (config or {}).get("vocab_size")
         requests, arrivals, workload = _build_workload(o, vocab)
         limit = served.get("max_model_len")
         longest = max((len(r.prompt) + r.max_tokens for r in requests if isinstance(r.prompt, list)), default=0)
@@ -333,6 +330,7 @@ def _measure(o: ServeBenchOptions, config: dict | None, log) -> tuple:
                              f"with a context of {limit}", "lower --prompt-max or --out-len, or serve with a larger "
                                                            "--max-model-len")
         if o.warmup:
+            log(f"duoka bench serve: {o.warmup} warm-up request(s)")
             warm = loadgen.run_load(url, name, _warmup_requests(requests, o.warmup, vocab, o.seed), api_key=o.api_key)
             if warm["completed"] == 0:
                 raise DuokaError(f"the warm-up request(s) failed: {warm['errors'][0]['error']}",
@@ -340,7 +338,8 @@ def _measure(o: ServeBenchOptions, config: dict | None, log) -> tuple:
         rate = f"{o.request_rate:g} requests/s" if o.request_rate is not None else "all at once"
         cap = f", at most {workload['concurrency']} in flight" if workload["concurrency"] else ""
         log(f"duoka bench serve: {len(requests)} requests, {rate}{cap}, to {name} at {url}")
-        load = loadgen.run_load(url, name, requests, workload["concurrency"], arrivals, o.api_key)
+        load = loadgen.run_load(url, name, requests, workload["concurrency"], arrivals, o.api_key,
+                                progress=lambda line: log(f"duoka bench serve: {line}"))
         if load["completed"] == 0:
             raise DuokaError(f"all {len(requests)} requests failed; the first: {load['errors'][0]['error']}",
                              "check the server's log and the workload's sizes against its limits")
@@ -348,6 +347,7 @@ def _measure(o: ServeBenchOptions, config: dict | None, log) -> tuple:
         if o.batch1:
             if vocab is None:
                 raise DuokaError("--batch1 draws a random prompt, but the vocabulary size is unknown", "give --vocab N")
+            log(f"duoka bench serve: batch 1, {loadgen.BATCH1_RUNS} x 2 requests alone")
             batch1 = loadgen.batch1_rate(url, name, vocab, o.out_len, o.seed, o.api_key)
         if server is not None:
             server.check_alive()
@@ -364,11 +364,9 @@ def bench_serve(o: ServeBenchOptions, log=print) -> dict:
     config = _model_config(o.model) if not o.url else None
     peer = None
     if o.vs_peer:  # what the peer needs is checked before a server starts
-        peer = o.peer or default_peer()
-        if not peer.is_file():
-            raise DuokaError(f"peer script {peer} not found",
-                             f"pass --peer PATH/{PEER_SCRIPT}: the peer scripts are in bench/peers/ of a clone of "
-                             "the duoka repository (an installed duoka does not ship them)")
+        peer = o.peer or repository_peer(PEER_SCRIPT)
+        if peer is None or not peer.is_file():
+            raise peer_missing(PEER_SCRIPT, peer)
         if not o.url:
             _peer_model(o, config)
     # SIGTERM unwinds through the `finally`s that stop the server and the peer (main thread only).

@@ -15,13 +15,19 @@ and left out, or with on_error="fail" ends the run; a binary or unreadable file 
 
 Training reads the folder with `data.path=DIR`: the shards in order form the same token
 stream as tokenizing the files at launch would.
+
+The progress bar counts input bytes as the workers read them (a single large file moves it
+too): each worker adds the size of the text it has read to a shared counter, at most the
+file's size, and the rest once the file is done. A .gz file counts its uncompressed size
+(the gzip trailer's, modulo 4 GiB).
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
@@ -38,9 +44,14 @@ from duoka.data.dataset import (
     token_arrays,
 )
 from duoka.data.tokenizer import Tokenizer
-from duoka.errors import DuokaError
+from duoka.errors import DATA_INSTALL, DuokaError
 
 _worker_tokenizer: Tokenizer | None = None
+_worker_progress = None  # the shared count of input bytes read (multiprocessing.Value)
+# A worker adds to the shared count once per this many bytes read (a lock each time).
+REPORT_BYTES = 1 << 20
+# How often the bar redraws from the shared count while the workers run.
+BAR_REFRESH_S = 0.25
 
 
 def source_files(path: Path) -> list[Path]:
@@ -56,7 +67,7 @@ def _documents(path: Path, text_field: str, skipped: Skipped):
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise DuokaError(f"{path} is Parquet, which needs pyarrow", "pip install pyarrow") from None
+        raise DuokaError(f"{path} is Parquet, which needs pyarrow", DATA_INSTALL) from None
     try:
         table = pq.read_table(path, columns=[text_field]) if text_field in pq.read_schema(path).names else None
     except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError
@@ -71,22 +82,61 @@ def _documents(path: Path, text_field: str, skipped: Skipped):
             skipped.add(f"{path}:row {row}: {text_field} is {type(text).__name__}, not text")
 
 
-def _init_worker(tokenizer_dir: str) -> None:
-    global _worker_tokenizer
+def input_size(path: Path) -> int:
+    """The bytes of text a file holds, for the progress bar: its size, or a .gz file's
+    uncompressed size from the gzip trailer (modulo 4 GiB; the file's size where that is less)."""
+    size = path.stat().st_size
+    if path.name.endswith(".gz") and size >= 4:
+        with open(path, "rb") as f:
+            f.seek(-4, os.SEEK_END)
+            return max(size, int.from_bytes(f.read(4), "little"))
+    return size
+
+
+class _ReadBytes:
+    """A worker's share of the shared count for one file: the text read, at most the file's
+    size, added in steps of REPORT_BYTES; the rest when the file is done."""
+
+    def __init__(self, total: int):
+        self.total, self.pending, self.added = total, 0, 0
+
+    def _add(self, n: int) -> None:
+        n = min(n, self.total - self.added)
+        if n > 0 and _worker_progress is not None:
+            with _worker_progress.get_lock():
+                _worker_progress.value += n
+        self.added += max(n, 0)
+
+    def read(self, text: str) -> None:
+        self.pending += len(text) + 1  # characters: bytes for ASCII, an estimate otherwise; its line end
+        if self.pending >= REPORT_BYTES:
+            self._add(self.pending)
+            self.pending = 0
+
+    def done(self) -> None:
+        self._add(self.total - self.added)
+
+
+def _init_worker(tokenizer_dir: str, progress=None) -> None:
+    global _worker_tokenizer, _worker_progress
     _worker_tokenizer = Tokenizer(tokenizer_dir)
+    _worker_progress = progress
 
 
 def _tokenize_file(source: str, shard: str, text_field: str, eot: int, tokenizer: str) -> dict:
     skipped = Skipped()
     docs = 0
+    read = _ReadBytes(input_size(Path(source)))
 
     def counted():
         nonlocal docs
         for doc in _documents(Path(source), text_field, skipped):
             docs += 1
+            read.read(doc)
             yield doc
 
     chunks = list(token_arrays(_worker_tokenizer, counted(), eot))
+    read.done()
     tokens = np.concatenate(chunks) if chunks else np.zeros(0, dtype=np.uint32)
     shard_path = Path(shard)
     tmp = shard_path.with_name(shard_path.name + f".{os.getpid()}.tmp.npy")
@@ -157,18 +207,10 @@ def prepare(data: Path, out: Path, tokenizer_dir: Path, text_field: str = "text"
         return old
 
     workers = workers or min(len(todo), os.cpu_count() or 1) or 1
-    log(f"duoka: tokenizing {len(todo)} of {len(files)} files with {workers} worker(s) into {out}")
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    with Progress(TextColumn("prepare"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  disable=not progress, transient=True) as bar, \
-            ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(str(tokenizer.folder),)) as pool:
-        task = bar.add_task("files", total=len(todo))
-        futures = [pool.submit(_tokenize_file, str(src), str(shard), text_field, eot, tokenizer.fingerprint)
-                   for src, shard in todo]
-        for fut in as_completed(futures):
-            fut.result()
-            bar.advance(task)
+    total = sum(input_size(src) for src, _ in todo)
+    log(f"duoka: tokenizing {len(todo)} of {len(files)} files ({total / 1e6:,.1f} MB) with {workers} worker(s) into "
+        f"{out}")
+    _tokenize_files(todo, text_field, eot, tokenizer, workers, total, progress)
 
     records = [json.loads(s.with_suffix(".json").read_text()) for s in shards]
     # Records before malformed_count listed every malformed record.
@@ -195,6 +237,25 @@ def prepare(data: Path, out: Path, tokenizer_dir: Path, text_field: str = "text"
     log(f"duoka: {manifest['documents']:,} documents, {manifest['tokens']:,} tokens in {len(records)} shard(s); "
         f"{skipped:,} malformed record(s) skipped")
     return manifest
+
+
+def _tokenize_files(todo: list[tuple[Path, Path]], text_field: str, eot: int, tokenizer: Tokenizer, workers: int,
+                    total: int, progress: bool) -> None:
+    """The files in worker processes, with a bar of the input bytes read (progress: shown)."""
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    read = multiprocessing.Value("q", 0)
+    with Progress(TextColumn("prepare"), BarColumn(), DownloadColumn(), TextColumn("{task.fields[files]}"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), disable=not progress, transient=True) as bar, \
+            ProcessPoolExecutor(workers, initializer=_init_worker, initargs=(str(tokenizer.folder), read)) as pool:
+        task = bar.add_task("bytes", total=total, files=f"0/{len(todo)} files")
+        pending = {pool.submit(_tokenize_file, str(src), str(shard), text_field, eot, tokenizer.fingerprint)
+                   for src, shard in todo}
+        while pending:
+            finished, pending = wait(pending, timeout=BAR_REFRESH_S, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                fut.result()
+            bar.update(task, completed=read.value, files=f"{len(todo) - len(pending)}/{len(todo)} files")
 
 
 def is_prepared(path: Path) -> bool:

@@ -105,3 +105,17 @@ def run_bench(n_gpus: int, cpu_processes: int = 2) -> dict:
         result["cpu_matmul_tflops"] = matmul_tflops(torch.device("cpu"))
         result["allreduce_gloo_cpu"] = allreduce_busbw(cpu_processes, sizes=(2**20, 2**24))
     return result
+
+
+def render_bench(bench: dict, console) -> None:
+    """run_bench's figures, one line each, on a rich console."""
+    if "matmul_tflops" in bench:
+        for i, (t, c) in enumerate(zip(bench["matmul_tflops"], bench["copy_gbps"])):
+            console.print(f"GPU {i}: bf16 matmul {t:.0f} TFLOP/s, host->device {c['host_to_device']:.1f} GB/s, "
+                          f"device->host {c['device_to_host']:.1f} GB/s")
+        console.print(f"static load-balance weights: --parallel.balance_weights={bench['balance_weights']}")
+    else:
+        console.print(f"CPU mode: fp32 matmul {bench['cpu_matmul_tflops'] * 1e3:.0f} GFLOP/s")
+    for row in bench.get("allreduce") or bench.get("allreduce_gloo_cpu") or []:
+        console.print(f"all-reduce {row['bytes'] / 2**20:8.0f} MiB: algbw {row['algbw_gbps']:7.1f} GB/s, "
+                      f"busbw {row['busbw_gbps']:7.1f} GB/s")

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from duoka.errors import DuokaError
+from duoka.errors import QUANT_INSTALL, DuokaError
 
 # The Hugging Face names of a Qwen2 decoder layer's linear layers: LoRA's possible targets.
 LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -243,7 +243,7 @@ def _torchao_nf4():
         from torchao.quantization import NF4Tensor, to_nf4
     except ImportError:
         raise DuokaError("lora.quantize=nf4 needs torchao, which is not installed",
-                         "pip install torchao (a version made for this PyTorch), or lora.quantize=none") from None
+                         f"{QUANT_INSTALL}, or lora.quantize=none") from None
     return NF4Tensor, to_nf4
 
 

@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import html
 import json
+import math
 from pathlib import Path
 
 from duoka.errors import DuokaError
 from duoka.monitor.dashboard import read_records
 
 COLORS = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#17becf"]
-W, H, PAD_L, PAD_R, PAD_T, PAD_B = 560, 220, 64, 12, 14, 28
+# The chart's size and its margins: room on the left for tick labels and the y axis's title,
+# below for the x axis's ticks and title.
+W, H, PAD_L, PAD_R, PAD_T, PAD_B = 560, 240, 78, 12, 14, 44
+TICK = 5  # tick mark length, px
+TICKS = 5  # about this many labelled ticks per axis
 
 
 def _fmt(v: float) -> str:
@@ -24,8 +29,23 @@ def _fmt(v: float) -> str:
     return f"{v:.4g}"
 
 
-def svg_chart(title: str, series: dict[str, list[tuple[float, float]]], unit: str = "") -> str:
-    """A line chart of named (x, y) series; points with y None are left out."""
+def nice_ticks(lo: float, hi: float, count: int = TICKS, whole: bool = False, cover: bool = False) -> list[float]:
+    """Round values about `count` of them, 1, 2, 2.5 or 5 times a power of ten apart (whole: a
+    whole number apart, for steps): those within [lo, hi], or with `cover` from the last at
+    or below lo to the first at or above hi (an axis that starts and ends on a tick)."""
+    raw = (hi - lo) / max(count - 1, 1)
+    power = 10 ** math.floor(math.log10(raw)) if raw > 0 else 1.0
+    step = next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= raw)
+    if whole:
+        step = max(1.0, float(round(step)))
+    first = (math.floor if cover else math.ceil)(lo / step + (1e-9 if cover else -1e-9)) * step
+    last = (math.ceil if cover else math.floor)(hi / step + (-1e-9 if cover else 1e-9)) * step
+    return [first + i * step for i in range(round((last - first) / step) + 1)]
+
+
+def svg_chart(title: str, series: dict[str, list[tuple[float, float]]], unit: str = "", x_title: str = "step") -> str:
+    """A line chart of named (x, y) series, with ticks and a title on both axes (y's: the unit,
+    else the chart's title); points with y None are left out."""
     series = {k: [(x, y) for x, y in pts if y is not None] for k, pts in series.items()}
     series = {k: v for k, v in series.items() if v}
     if not series:
@@ -38,6 +58,8 @@ def svg_chart(title: str, series: dict[str, list[tuple[float, float]]], unit: st
         y0, y1 = y0 - (abs(y0) * 0.05 or 1), y1 + (abs(y1) * 0.05 or 1)
     if x1 == x0:
         x1 = x0 + 1
+    y_ticks = nice_ticks(y0, y1, cover=True)
+    y0, y1 = y_ticks[0], y_ticks[-1]
 
     def px(x):
         return PAD_L + (x - x0) / (x1 - x0) * (W - PAD_L - PAD_R)
@@ -45,16 +67,28 @@ def svg_chart(title: str, series: dict[str, list[tuple[float, float]]], unit: st
     def py(y):
         return PAD_T + (1 - (y - y0) / (y1 - y0)) * (H - PAD_T - PAD_B)
 
+    bottom = H - PAD_B
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" role="img" '
              f'aria-label="{html.escape(title)}">',
-             f'<rect x="{PAD_L}" y="{PAD_T}" width="{W - PAD_L - PAD_R}" height="{H - PAD_T - PAD_B}" '
+             f'<rect x="{PAD_L}" y="{PAD_T}" width="{W - PAD_L - PAD_R}" height="{bottom - PAD_T}" '
              'fill="#fff" stroke="#bbb"/>']
-    for frac in (0.0, 0.5, 1.0):
-        y = y0 + frac * (y1 - y0)
-        parts.append(f'<text x="{PAD_L - 4}" y="{py(y) + 4:.1f}" text-anchor="end" font-size="11">{_fmt(y)}</text>')
-        parts.append(f'<line x1="{PAD_L}" x2="{W - PAD_R}" y1="{py(y):.1f}" y2="{py(y):.1f}" stroke="#eee"/>')
-    for x in (x0, x1):
-        parts.append(f'<text x="{px(x):.1f}" y="{H - 10}" text-anchor="middle" font-size="11">{_fmt(x)}</text>')
+    for y in y_ticks:
+        parts.append(f'<line class="grid" x1="{PAD_L}" x2="{W - PAD_R}" y1="{py(y):.1f}" y2="{py(y):.1f}" '
+                     'stroke="#eee"/>')
+        parts.append(f'<line class="tick" x1="{PAD_L - TICK}" x2="{PAD_L}" y1="{py(y):.1f}" y2="{py(y):.1f}" '
+                     'stroke="#555"/>')
+        parts.append(f'<text class="y-tick" x="{PAD_L - TICK - 3}" y="{py(y) + 4:.1f}" text-anchor="end" '
+                     f'font-size="11">{_fmt(y)}</text>')
+    for x in nice_ticks(x0, x1, whole=x_title == "step"):
+        parts.append(f'<line class="tick" x1="{px(x):.1f}" x2="{px(x):.1f}" y1="{bottom}" y2="{bottom + TICK}" '
+                     'stroke="#555"/>')
+        parts.append(f'<text class="x-tick" x="{px(x):.1f}" y="{bottom + TICK + 12}" text-anchor="middle" '
+                     f'font-size="11">{_fmt(x)}</text>')
+    parts.append(f'<text class="x-title" x="{(PAD_L + W - PAD_R) / 2:.1f}" y="{H - 6}" text-anchor="middle" '
+                 f'font-size="12">{html.escape(x_title)}</text>')
+    mid = (PAD_T + bottom) / 2
+    parts.append(f'<text class="y-title" x="14" y="{mid:.1f}" transform="rotate(-90 14 {mid:.1f})" '
+                 f'text-anchor="middle" font-size="12">{html.escape(unit or title)}</text>')
     for i, (name, pts) in enumerate(series.items()):
         color = COLORS[i % len(COLORS)]
         points = " ".join(f"{px(x):.1f},{py(y):.1f}" for x, y in pts)

@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel
 
-from duoka.errors import DuokaError
+from duoka.errors import QUANT_INSTALL, DuokaError
 from duoka.models.lora import LoRALinear
 from duoka.models.qwen2.model import Qwen2
 from duoka.parallel.dims import ParallelDims
@@ -166,7 +166,7 @@ def check_float8(recipe: str, tp: int, device: torch.device | None = None) -> No
                          "use parallel.tp=1 (FSDP2 or DDP, with pp if needed), or training.float8=none")
     if importlib.util.find_spec("torchao") is None:
         raise DuokaError(f"training.float8={recipe} needs torchao, which is not installed",
-                         "pip install torchao (a version made for this PyTorch), or training.float8=none")
+                         f"{QUANT_INSTALL}, or training.float8=none")
     if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         major, minor = torch.cuda.get_device_capability(device)
         raise DuokaError(f"training.float8={recipe} needs float8 matmuls: compute capability 8.9 or newer (Ada, "

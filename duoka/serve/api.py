@@ -5,7 +5,8 @@ and their limits serve/protocol.py; turning a request into engine requests
 serve/api_requests.py, and their outputs into responses and SSE streams serve/api_responses.py.
 
 Errors (protocol.error_body): 400 for every malformed request (FastAPI's 422 is turned into
-400), 401 for a missing or wrong key on /v1/*, 404 for an unknown route, 413 for a body over
+400), 401 for a missing or wrong key on /v1/*, 404 for an unknown route and for a model the
+server does not serve (code model_not_found, as OpenAI answers), 413 for a body over
 protocol.MAX_BODY_BYTES, 503 with Retry-After when the queue is full or the server is
 draining, 500 only when the engine itself failed.
 """
@@ -66,7 +67,58 @@ def build_app(async_engine: AsyncEngine, tokenizer, model_name: str, max_model_l
                                dict(default_params))
     responder = Responder(async_engine, tokenizer, model_name)
 
-    # ---- errors in OpenAI's format
+    _add_error_handlers(app, log)
+
+    # ---- routes
+    @app.get("/health")
+    async def health():
+        dead = async_engine.dead
+        if dead is not None:
+            return error_response(503, f"the engine is not usable ({dead})", code="engine_dead")
+        if not async_engine.accepting:
+            return error_response(503, "the server is shutting down", code="server_shutting_down")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(async_engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    def model_cards() -> list[dict[str, Any]]:
+        # As vLLM lists them: the base model, then each adapter with the base as its parent; with
+        # vLLM's max_model_len and the model's vocab_size (token ids a prompt may hold: 0..vocab_size-1).
+        card = {"object": "model", "created": started, "owned_by": "duoka", "max_model_len": max_model_len,
+                "vocab_size": async_engine.engine.limits.vocab_size}
+        data = [{"id": model_name, **card, "root": model_name, "parent": None}]
+        return data + [{"id": name, **card, "root": folder, "parent": model_name} for name, folder in adapters]
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": model_cards()}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):  # :path: a served name may hold slashes (Qwen/Qwen2.5-7B, a folder)
+        card = next((c for c in model_cards() if c["id"] == model_id), None)
+        if card is None:
+            raise preparer.models.not_found(model_id)
+        return card
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        prepared = await _prepare_unless_gone(request, preparer.prepare_chat(body))
+        if prepared is None:  # the client left while its chat template rendered: nobody reads this
+            return Response(status_code=499)
+        return await responder.respond(request, prepared, body, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        prepared = await preparer.prepare_completion(body)
+        return await responder.respond(request, prepared, body, chat=False)
+
+    return app
+
+
+def _add_error_handlers(app: FastAPI, log: Log) -> None:
+    """Every error in OpenAI's format (protocol.error_body), the internal ones logged with their trace."""
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         return error_response(400, *validation_message(exc))
@@ -90,42 +142,6 @@ def build_app(async_engine: AsyncEngine, tokenizer, model_name: str, max_model_l
     async def _internal(request: Request, exc: Exception):  # a bug: the client gets a 500 object, the log the trace
         log_line(f"internal error on {request.method} {request.url.path}:\n{traceback.format_exc()}", log)
         return error_response(500, f"internal server error ({type(exc).__name__}); the server's log has the traceback")
-
-    # ---- routes
-    @app.get("/health")
-    async def health():
-        dead = async_engine.dead
-        if dead is not None:
-            return error_response(503, f"the engine is not usable ({dead})", code="engine_dead")
-        if not async_engine.accepting:
-            return error_response(503, "the server is shutting down", code="server_shutting_down")
-        return Response(status_code=200)
-
-    @app.get("/metrics")
-    async def metrics():
-        return Response(async_engine.metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.get("/v1/models")
-    async def models():
-        # As vLLM lists them: the base model, then each adapter with the base as its parent.
-        card = {"object": "model", "created": started, "owned_by": "duoka", "max_model_len": max_model_len}
-        data = [{"id": model_name, **card, "root": model_name, "parent": None}]
-        data += [{"id": name, **card, "root": folder, "parent": model_name} for name, folder in adapters]
-        return {"object": "list", "data": data}
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatRequest, request: Request):
-        prepared = await _prepare_unless_gone(request, preparer.prepare_chat(body))
-        if prepared is None:  # the client left while its chat template rendered: nobody reads this
-            return Response(status_code=499)
-        return await responder.respond(request, prepared, body, chat=True)
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        prepared = await preparer.prepare_completion(body)
-        return await responder.respond(request, prepared, body, chat=False)
-
-    return app
 
 
 async def _prepare_unless_gone(request: Request, prepare) -> Any:

@@ -83,9 +83,14 @@ class ServedModels:
             return None
         if model in self.adapters:
             return model
+        raise self.not_found(model)
+
+    def not_found(self, model: str) -> ApiError:
+        """OpenAI's answer for a model it does not have: 404, code model_not_found (the
+        openai client raises NotFoundError)."""
         served = ", ".join(repr(m) for m in (self.base, *self.adapters))
-        raise ApiError(400, f"model {model!r} is not served here; this server serves {served} (GET /v1/models lists "
-                            "them)", param="model", code="model_not_found")
+        return ApiError(404, f"the model {model!r} does not exist here; this server serves {served} (GET /v1/models "
+                             "lists them): name one of those in \"model\"", param="model", code="model_not_found")
 
 
 class RequestPreparer:

@@ -14,7 +14,7 @@ import hashlib
 import importlib.util
 from pathlib import Path
 
-from duoka.errors import DuokaError
+from duoka.errors import QUANT_INSTALL, DuokaError
 from duoka.models.lora import NF4_BLOCK, NF4_SCALER_BLOCK, LoRAArgs, nf4_shardable
 from duoka.models.qwen2.args import ModelArgs
 from duoka.parallel.dims import ParallelDims
@@ -53,7 +53,7 @@ def check_quantized_layout(quantize: str, dims: ParallelDims, args: ModelArgs) -
     what = f"QLoRA (lora.quantize={quantize})"
     if importlib.util.find_spec("torchao") is None:
         raise DuokaError(f"{what} needs torchao (its NF4 tensors), which is not installed",
-                         "pip install torchao (a version made for this PyTorch), or lora.quantize=none")
+                         f"{QUANT_INSTALL}, or lora.quantize=none")
     if dims.tp > 1:
         raise DuokaError(f"{what} is not supported with tensor parallelism (parallel.tp={dims.tp}): torchao's NF4 "
                          "weights split by rows only, and tensor parallelism splits o_proj and down_proj by columns",

@@ -16,7 +16,13 @@ from duoka.errors import DuokaError
 from duoka.hub import resolve_model_dir
 from duoka.models.lora import LoRAArgs
 from duoka.models.qwen2.args import ModelArgs
-from duoka.models.qwen2.hf_adapter import load_hf_model, load_hf_weights, save_hf_checkpoint, save_hf_state_dict
+from duoka.models.qwen2.hf_adapter import (
+    checkpoint_dtype,
+    load_hf_model,
+    load_hf_weights,
+    save_hf_checkpoint,
+    save_hf_state_dict,
+)
 from duoka.models.qwen2.model import build_model, materialize
 from duoka.models.qwen2.peft import Adapter, dequantized_base_, merge_adapter, read_adapter, save_adapter
 from duoka.parallel.dtensor import full_value
@@ -32,12 +38,36 @@ from duoka.train.integrity import (
     find_damage,
     has_manifest,
     is_disk_full,
+    load_metadata,
     read_state,
 )
 from duoka.train.run_files import TOKENIZER_FILES
 
+# `duoka export --dtype auto`: the weights keep the dtype they are stored in, so nothing is
+# lost by default and exporting a run's final checkpoint writes what RUN/hf/step-N holds.
+AUTO = "auto"
+EXPORT_DTYPES = (AUTO, "float32", "bfloat16", "float16")
+# A folder whose config.json names no dtype: transformers loads it in float32 as well.
+UNNAMED_DTYPE = "float32"
 
-def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_shard_size: str = "5GB",
+
+def stored_dtype(checkpoint: Path) -> str:
+    """The dtype a checkpoint holds the model's weights in (float32: duoka keeps fp32 master
+    weights under bf16 training), read from DCP's metadata; float32 where they differ."""
+    metadata = load_metadata(checkpoint)
+    dtypes = {str(item.properties.dtype).removeprefix("torch.")
+              for name, item in metadata.state_dict_metadata.items()
+              if name.startswith("model.") and getattr(item, "properties", None) is not None}
+    return dtypes.pop() if len(dtypes) == 1 else "float32"
+
+
+def _base_dtype(folder: Path | None) -> str:
+    """The dtype a base model's folder stores its weights in (a random base: float32)."""
+    dtype = checkpoint_dtype(folder) if folder is not None else None
+    return str(dtype).removeprefix("torch.") if dtype is not None else UNNAMED_DTYPE
+
+
+def export_checkpoint(checkpoint: Path, out: Path, dtype: str = AUTO, max_shard_size: str = "5GB",
                       no_dist: bool = False, warn: Callable[[str], None] | None = None, merge: bool = False,
                       base: str | None = None, trust_unverified: bool = False, check_weights: bool = True) -> Path:
     """no_dist: read in this process alone although a process group exists (the trainer's
@@ -47,7 +77,8 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_
 
     A LoRA run's checkpoint becomes a PEFT adapter folder (its tensors in fp32, as trained),
     or with `merge` the base with the adapter merged in, as a whole Hugging Face model;
-    `base` overrides the base folder the checkpoint names (it must be the same model)."""
+    `base` overrides the base folder the checkpoint names (it must be the same model).
+    dtype "auto": the checkpoint's own (stored_dtype), merged: the base folder's."""
     if not any((checkpoint / name).is_file() for name in (STATE_FILE, METADATA, MANIFEST)):
         hint = " (a .partial folder is an interrupted save)" if checkpoint.name.endswith(".partial") else ""
         raise DuokaError(f"{checkpoint} is not a complete duoka checkpoint{hint}",
@@ -76,16 +107,18 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str = "bfloat16", max_
         trained = {plain_name(n): p.detach() for n, p in model.named_parameters() if p.requires_grad}
         if not merge:
             return save_adapter(trained, lora, args, out, base_name(state.get("base")), extra)
-        model = _base_model(checkpoint, state, args, base, check_weights)
+        model, folder = _base_model(checkpoint, state, args, base, check_weights)
         if lora.quantized:  # QLoRA: into the base it trained on, the NF4 base dequantised
             dequantized_base_(model)
         merge_adapter(model, Adapter(checkpoint, lora.scaling, trained, None))
-    return _save_model(model, out, dtype, max_shard_size, extra)
+        return _save_model(model, out, _base_dtype(folder) if dtype == AUTO else dtype, max_shard_size, extra)
+    return _save_model(model, out, stored_dtype(checkpoint) if dtype == AUTO else dtype, max_shard_size, extra)
 
 
 def _base_model(checkpoint: Path, state: dict, args: ModelArgs, override: str | None, check_weights: bool):
     """The frozen base a LoRA checkpoint was trained on, whole on the host in fp32: read
-    from its folder (checked against the recorded fingerprint) or drawn from its seed."""
+    from its folder (checked against the recorded fingerprint) or drawn from its seed; with
+    that folder (None for a drawn one)."""
     recorded = state.get("base")
     if recorded is None:
         raise DuokaError(f"{checkpoint} does not record its base model", "merge with the base folder: duoka export "
@@ -93,7 +126,7 @@ def _base_model(checkpoint: Path, state: dict, args: ModelArgs, override: str | 
     model = materialize(build_model(args), "cpu", torch.float32)
     if recorded["kind"] == "random" and override is None:
         model.init_weights(seed=recorded["seed"])
-        return model
+        return model, None
     folder = resolve_model_dir(override) if override else Path(recorded["path"])
     if not folder.is_dir():
         raise DuokaError(f"the base model of {checkpoint}, {folder}, is not here",
@@ -102,13 +135,14 @@ def _base_model(checkpoint: Path, state: dict, args: ModelArgs, override: str | 
         raise DuokaError(f"{folder} is not the base {checkpoint}'s adapters were trained on (another fingerprint)",
                          f"give --base the folder of that base ({recorded.get('path', 'a random init')})")
     load_hf_weights(model, folder, check_weights=check_weights)
-    return model
+    return model, folder
 
 
-def merge_adapter_folder(adapter_dir: Path, out: Path, dtype: str = "bfloat16", max_shard_size: str = "5GB",
+def merge_adapter_folder(adapter_dir: Path, out: Path, dtype: str = AUTO, max_shard_size: str = "5GB",
                          base: str | None = None, check_weights: bool = True) -> Path:
     """A PEFT LoRA adapter folder (a LoRA run's hf/step-N, or PEFT's own) merged into its
-    base (`base`, else the adapter's base_model_name_or_path) as a whole Hugging Face model."""
+    base (`base`, else the adapter's base_model_name_or_path) as a whole Hugging Face model,
+    in the base's dtype unless `dtype` names one."""
     adapter = read_adapter(adapter_dir)
     base = base or adapter.base
     if not base:
@@ -117,7 +151,8 @@ def merge_adapter_folder(adapter_dir: Path, out: Path, dtype: str = "bfloat16", 
     model, folder = load_hf_model(base, "cpu", torch.float32, check_weights=check_weights)
     merge_adapter(model, adapter)
     extra = [f for name in TOKENIZER_FILES for f in (adapter_dir / name, folder / name) if f.is_file()]
-    return _save_model(model, out, dtype, max_shard_size, list({f.name: f for f in reversed(extra)}.values()))
+    return _save_model(model, out, _base_dtype(folder) if dtype == AUTO else dtype, max_shard_size,
+                       list({f.name: f for f in reversed(extra)}.values()))
 
 
 def _save_model(model, out: Path, dtype: str, max_shard_size: str, extra: list[Path]) -> Path:

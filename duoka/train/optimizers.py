@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from duoka import runtime
 from duoka.config import OptimizerConfig
-from duoka.errors import DuokaError
+from duoka.errors import QUANT_INSTALL, DuokaError
 from duoka.parallel.dims import ParallelDims
 from duoka.parallel.dtensor import by_mesh, full_value
 from duoka.parallel.parallelize import unwrap
@@ -88,7 +88,7 @@ def _torchao_optim(name: str):
     except ImportError as e:
         what = f"optimizer.name={name}" if name in LOW_BIT else "optimizer.offload=cpu"
         raise DuokaError(f"{what} needs torchao, which is not installed ({e})",
-                         "pip install torchao (a version made for this PyTorch), or use optimizer.name=adamw "
+                         f"{QUANT_INSTALL}, or use optimizer.name=adamw "
                          "with offload=none") from None
     return torchao.optim
 

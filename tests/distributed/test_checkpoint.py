@@ -5,6 +5,7 @@ import signal
 import subprocess
 import time
 
+import pytest
 import torch
 
 # Constant lr after warmup, so a run configured for 4 steps and one for 8 see the same lr
@@ -13,12 +14,21 @@ COMMON = ["--training.seq_len=32", "--training.global_batch_size=8", "--training
           "--optimizer.warmup_steps=2", "--optimizer.schedule=constant", "--metrics.log_interval=100"]
 
 
-def test_resume_is_exact_and_reshards(duoka, records, weights, tmp_path):
-    straight = tmp_path / "straight"
-    duoka.ok("train", f"--job.output_dir={straight}", "--training.steps=8", "--nproc-per-node=2",
-          "--parallel.dp_mode=fsdp", *COMMON)
+@pytest.fixture(scope="module")
+def straight(duoka, tmp_path_factory):
+    """8 steps under FSDP2 on 2 ranks, saved in the background every 2 steps, the last 2 kept:
+    the uninterrupted run of the resume test, and the async save's and export's run."""
+    run = tmp_path_factory.mktemp("straight") / "run"
+    proc = duoka.ok("train", f"--job.output_dir={run}", "--training.steps=8", "--checkpoint.interval=2",
+                    "--checkpoint.keep=2", "--checkpoint.async_save=true", "--nproc-per-node=2",
+                    "--parallel.dp_mode=fsdp", *COMMON)
+    return run, proc
 
-    # 4 steps under FSDP2 on 2 ranks, then 4 more on the same layout: bit-exact.
+
+def test_resume_is_exact_and_reshards(duoka, straight, records, weights, tmp_path):
+    straight, _ = straight
+    # 4 steps under FSDP2 on 2 ranks, then 4 more on the same layout: bit-exact (and equal to
+    # the run saved in the background: a save changes no number).
     same = tmp_path / "same"
     duoka.ok("train", f"--job.output_dir={same}", "--training.steps=4", "--nproc-per-node=2",
              "--parallel.dp_mode=fsdp", *COMMON)
@@ -36,24 +46,21 @@ def test_resume_is_exact_and_reshards(duoka, records, weights, tmp_path):
     # tests/distributed/test_model_parallel.py (tp=2 -> FSDP2, FSDP2 -> tp2 x pp2).
 
 
-def test_async_keep_last_k_and_export_round_trip(duoka, tmp_path):
+def test_async_keep_last_k_and_export_round_trip(duoka, straight, tmp_path):
     from transformers import Qwen2ForCausalLM
 
     from duoka.models.qwen2.hf_adapter import load_hf_model
 
-    run = tmp_path / "run"
-    proc = duoka.ok("train", f"--job.output_dir={run}", "--training.steps=6", "--checkpoint.interval=2",
-                    "--checkpoint.keep=2", "--checkpoint.async_save=true", "--nproc-per-node=2",
-                    "--parallel.dp_mode=fsdp", *COMMON)
-    assert proc.stderr.count("written in the background: training blocked") == 3  # steps 2, 4 and 6
-    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-4", "step-6"]
+    run, proc = straight
+    assert proc.stderr.count("written in the background: training blocked") == 4  # steps 2, 4, 6 and 8
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-6", "step-8"]
     out = tmp_path / "exported"
-    proc = duoka.ok("export", str(run / "checkpoints" / "step-6"), "--out", str(out), "--dtype", "float32",
+    proc = duoka.ok("export", str(run / "checkpoints" / "step-8"), "--out", str(out), "--dtype", "float32",
                     "--max-shard-size", "2MB")
     assert proc.stdout.strip() == str(out)
     assert (out / "model.safetensors.index.json").is_file() and (out / "tokenizer.json").is_file()
     tokens = torch.randint(0, 4096, (2, 16))
-    ours, _ = load_hf_model(run / "hf" / "step-6")
+    ours, _ = load_hf_model(run / "hf" / "step-8")
     theirs = Qwen2ForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
         assert torch.allclose(theirs(tokens).logits, ours(tokens), rtol=1e-5, atol=1e-5)

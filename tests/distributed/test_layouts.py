@@ -19,9 +19,9 @@ def test_loss_falls_in_reference(reference, records):
     assert ls[-1] < ls[0]
 
 
-# Each layout, and how the run's banner names its data parallelism.
+# Each layout, and how the run's banner names its data parallelism. (DDP x2, the default on
+# two processes: the run whose compile check fails on one rank, below, trains it eagerly.)
 @pytest.mark.parametrize("layout, banner", [
-    (["--nproc-per-node=2", "--parallel.dp_mode=ddp"], "DDP x2"),
     # All four blocks of the debug model in one FSDP2 unit.
     (["--nproc-per-node=4", "--parallel.dp_mode=fsdp", "--parallel.dp_replicate=2",
       "--parallel.fsdp_blocks_per_unit=0"], "HSDP 2 replicas x 2 shards"),
@@ -30,7 +30,7 @@ def test_loss_falls_in_reference(reference, records):
     # (a list for fully_shard) and one of a single block.
     (["--nproc-per-node=2", "--parallel.dp_mode=fsdp", "--training.fused_loss=true",
       "--parallel.fsdp_blocks_per_unit=3"], "FSDP2 x2"),
-], ids=["ddp2", "hsdp2x2", "fsdp2-fused-loss"])
+], ids=["hsdp2x2", "fsdp2-fused-loss"])
 def test_layout_matches_one_process(layout_runs, reference, assert_same_run, tmp_path, layout, banner):
     proc = layout_runs(tmp_path / "run", *layout)
     assert_same_run(tmp_path / "run", reference)
@@ -41,7 +41,8 @@ def test_a_compiler_failing_on_one_rank_leaves_every_rank_uncompiled(layout_runs
                                                                      compile_flags, tmp_path):
     """Rank 1's compile check fails (its compiler raises), rank 0's passes: both train the
     uncompiled model (they would otherwise wait in different collectives), after one
-    warning that names the cause, the failing rank and the switch."""
+    warning that names the cause, the failing rank and the switch. The run is also the DDP x2
+    layout's (the default on two processes): it must compute what one process computes."""
     run = tmp_path / "run"
     proc = layout_runs(run, "--nproc-per-node=2", *compile_flags, "--debug.fail_compile_ranks=1")
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning:")]
@@ -51,6 +52,7 @@ def test_a_compiler_failing_on_one_rank_leaves_every_rank_uncompiled(layout_runs
     assert "--training.compile=false" in warnings[0]
     assert "BackendCompilerFailed" in (run / "compile-error-rank1.txt").read_text()
     assert "| compiled |" not in proc.stderr and "step 1: compiling" not in proc.stderr
+    assert "DDP x2" in proc.stderr, proc.stderr[-3000:]
     assert_same_run(run, reference)  # the eager DDP run, exactly
 
 

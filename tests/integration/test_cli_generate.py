@@ -78,6 +78,8 @@ def test_hub_id_resolves_from_an_offline_cache(duoka, model_with_tokenizer, tmp_
 
     missing = duoka("generate", "--model", "duoka-test/not-cached", "--prompt", "hi", env=env)
     assert_user_error(missing, "duoka-test/not-cached", "Hugging Face cache")
+    # huggingface_hub 2.x ships only `hf`; the older command is named for releases before 0.34.
+    assert "`hf download duoka-test/not-cached`" in missing.stderr.split("fix:")[1], missing.stderr
 
 
 def test_missing_model_folder_is_a_clear_error(in_process, tmp_path):

@@ -81,7 +81,7 @@ def test_start_from_a_hugging_face_folder(duoka, tmp_path):
     assert first < 6.0  # a trained model starts far below ln(vocab) = 8.3
 
 
-def test_busy_rendezvous_port(duoka, tmp_path):
+def test_busy_rendezvous_port(duoka, in_process, tmp_path):
     import socket
 
     with socket.socket() as busy:
@@ -92,8 +92,9 @@ def test_busy_rendezvous_port(duoka, tmp_path):
                        f"--rdzv-endpoint=127.0.0.1:{port}", "--checkpoint.export_final=false")
         assert single.returncode == 0, single.stderr[-2000:]
         assert f"rendezvous port {port} is in use; using" in single.stderr
-        multi = duoka("train", f"--job.output_dir={tmp_path / 'two'}", "--nnodes=2", "--node-rank=0",
-                      "--nproc-per-node=1", f"--rdzv-endpoint=127.0.0.1:{port}")
+        # Refused before any worker starts: through the CLI's entry point in this process.
+        multi = in_process("train", f"--job.output_dir={tmp_path / 'two'}", "--nnodes=2", "--node-rank=0",
+                           "--nproc-per-node=1", f"--rdzv-endpoint=127.0.0.1:{port}")
         assert_user_error(multi, f"rendezvous port {port} on 127.0.0.1 is already in use", "pick another port")
 
 

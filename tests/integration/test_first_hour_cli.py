@@ -52,7 +52,7 @@ def test_the_suggested_command_prints_words(default_run, duoka, corpus_words):
     assert Counter(words).most_common(1)[0][1] <= 0.3 * len(words), gen.stdout
 
 
-def test_the_default_run_records_checkpoints_and_refuses_to_overwrite(default_run, duoka):
+def test_the_default_run_records_checkpoints_and_refuses_to_overwrite(default_run, in_process):
     """The built-in default (debug Qwen2 on the bundled corpus, 200 steps): its metrics, the
     resumable checkpoint, the export, and a second launch into the same directory refused."""
     run, proc = default_run
@@ -67,7 +67,8 @@ def test_the_default_run_records_checkpoints_and_refuses_to_overwrite(default_ru
     assert (run / "config.toml").is_file()
     assert (run / "checkpoints" / "step-200" / "train_state.json").is_file()  # the resumable one
     assert (run / "hf" / "step-200" / "config.json").is_file()
-    again = duoka("train", f"--job.output_dir={run}", "--training.steps=2")
+    # Refused before any worker starts: through the CLI's entry point in this process.
+    again = in_process("train", f"--job.output_dir={run}", "--training.steps=2")
     assert again.returncode == 2 and "Traceback" not in again.stderr, again.stderr[-2000:]
     assert "error: " in again.stderr and "already holds a run" in again.stderr
     assert "--checkpoint.resume=auto" in again.stderr

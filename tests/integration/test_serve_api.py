@@ -207,7 +207,6 @@ BAD = [
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, "empty messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": "hello"}, "messages of the wrong type"),
     ("/v1/chat/completions", {"model": MODEL, "messages": user("hi"), "max_tokens": "8"}, "max_tokens a string"),
-    ("/v1/chat/completions", {"model": "gpt-4o", "messages": user("hi")}, "unknown model"),
     ("/v1/chat/completions", {"model": MODEL, "messages": user("hi"), "max_tokens": 1000}, "beyond the context"),
     ("/v1/chat/completions", {"model": MODEL, "messages": user("hi"), "max_tokens": 0}, "max_tokens < 1"),
     ("/v1/chat/completions", {"model": MODEL, "messages": user("hi"), "temperature": -1}, "temperature < 0"),
@@ -259,6 +258,18 @@ def test_unknown_route_and_missing_key(server):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200  # probes need no key
     assert [m.id for m in server.client.models.list().data] == [MODEL]
+
+
+def test_models_by_id_and_an_unknown_model_as_openai_answers(server, tokenizer):
+    """GET /v1/models/{id}: the model object, with the vocabulary `duoka bench serve --url` draws
+    prompt ids from; a model the server does not serve: 404 model_not_found (NotFoundError)."""
+    card = server.client.models.retrieve(MODEL)
+    assert (card.id, card.max_model_len, card.vocab_size) == (MODEL, MAX_MODEL_LEN, tokenizer.vocab_size)
+    with pytest.raises(openai.NotFoundError) as e:
+        server.client.chat.completions.create(model="gpt-4o", messages=user("hi"), max_tokens=2)
+    assert e.value.body["code"] == "model_not_found" and repr(MODEL) in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        server.client.models.retrieve("Qwen/Qwen2.5-0.5B-Instruct")
 
 
 # ---------------------------------------------------------------- disconnects and shutdown

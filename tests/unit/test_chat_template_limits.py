@@ -56,15 +56,17 @@ HOSTILE = {
 
 @pytest.mark.parametrize("template, said", HOSTILE.values(), ids=HOSTILE.keys())
 def test_a_hostile_template_is_one_error_naming_it_quickly_in_bounded_memory(template, said):
-    start = time.monotonic()
+    start = time.process_time()  # the render's CPU seconds: a loaded machine stretches only the wall clock's
     tracemalloc.start()  # every Python object the render makes, this test's alone
     try:
         with pytest.raises(DuokaError) as e:
-            render(template, "/models/m/chat_template.jinja", {"messages": USER}, given=(USER,))
+            # Each template must meet the limit made for it, not the 5 s clock (its own test is
+            # below): traced, the nested loops take ~3 s, and a loaded machine stretched them past 5.
+            render(template, "/models/m/chat_template.jinja", {"messages": USER}, given=(USER,), seconds=600)
         peak_mb = tracemalloc.get_traced_memory()[1] / 2**20
     finally:
         tracemalloc.stop()
-    took = time.monotonic() - start
+    took = time.process_time() - start
     assert said in e.value.cause, e.value.cause
     assert e.value.cause.startswith("the chat template in /models/m/chat_template.jinja ")
     assert "broken or hostile" in e.value.fix and "roles" not in e.value.fix + e.value.cause

@@ -114,6 +114,23 @@ def test_manifest_round_trip_and_export(saved, tmp_path):
     assert (export_checkpoint(step4, tmp_path / "hf", dtype="float32") / "config.json").is_file()
 
 
+def test_export_keeps_the_checkpoint_s_dtype_and_says_which_it_wrote(saved, tmp_path, in_process):
+    """`duoka export` of a float32 checkpoint writes float32 (what RUN/hf/step-N holds), unless
+    --dtype names another; its line says which."""
+    from safetensors import safe_open
+
+    step4 = saved[0] / "checkpoints" / "step-4"
+    for flags, dtype in (((), "float32"), (("--dtype", "bfloat16"), "bfloat16")):
+        out = tmp_path / dtype
+        proc = in_process("export", str(step4), "--out", str(out), *flags)
+        assert proc.returncode == 0, proc.stderr
+        assert f"-> {out} ({dtype}) in " in proc.stderr, proc.stderr
+        assert json.loads((out / "config.json").read_text())["torch_dtype"] == dtype
+        with safe_open(out / "model.safetensors", "pt") as f:
+            names = f.keys()
+            assert {f.get_slice(name).get_dtype() for name in names} == {"F32" if dtype == "float32" else "BF16"}
+
+
 @pytest.mark.parametrize("damage", DAMAGES, ids=list(DAMAGES))
 def test_damaged_newest_checkpoint_is_named_and_skipped(run, tmp_path, damage):
     make, expected = DAMAGES[damage]

@@ -25,6 +25,18 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
     assert again == cfg
 
 
+@pytest.mark.parametrize("text", ["two\nlines", "cr\rlf", 'quote " and back\\slash', "tab\tbell\x07del\x7f nul\x00",
+                                  "form\x0cfeed\x08", "unicode é 中文 \u2028", "\\n as written", ""])
+def test_strings_with_newlines_and_control_characters_round_trip(tmp_path, text):
+    """config.toml is valid TOML whatever a string holds, and reads back equal."""
+    import tomllib
+
+    cfg = load_config(None, [f"--job.output_dir=runs/{text}", f"--data.path={text}"])
+    written = to_toml(cfg)
+    assert tomllib.loads(written)["data"]["path"] == text
+    assert load_config(write(tmp_path, written)) == cfg
+
+
 @pytest.mark.parametrize("args, cause, fix", [
     (["--training.step=5"], "unknown config key 'training.step'", "did you mean training.steps?"),
     (["--training.lr=0.1"], "unknown config key 'training.lr'", "did you mean optimizer.lr?"),

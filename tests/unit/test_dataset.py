@@ -123,3 +123,48 @@ def test_packed_forward_equals_separate_documents(backend):
     for row in range(len(rows)):
         assert ((together[row] - apart[row]).norm() / apart[row].norm()) <= tol
         assert ((plain[row] - apart[row]).norm() / apart[row].norm()) > 1e-2  # unmasked: later documents differ
+
+
+class CountSpy:
+    """multiprocessing.Value's surface, recording every value the worker sets."""
+
+    def __init__(self):
+        self.values = [0]
+
+    def get_lock(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    @property
+    def value(self):
+        return self.values[-1]
+
+    @value.setter
+    def value(self, v):
+        self.values.append(v)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".jsonl.gz"])
+def test_prepare_progress_counts_bytes_within_one_large_file(tmp_path, monkeypatch, suffix):
+    """One large file moves the bar while it is read (it counted files: nothing until done),
+    and ends at the file's size, a .gz file's uncompressed size."""
+    from duoka.data import prepare
+    from duoka.hub import bundled_model_dir
+
+    text = "".join(json.dumps({"text": f"line {i}: the quick brown fox jumps over the lazy dog"}) + "\n"
+                   for i in range(20_000))  # ~1.2 MB
+    src = tmp_path / f"big{suffix}"
+    if suffix.endswith(".gz"):
+        with gzip.open(src, "wt") as f:
+            f.write(text)
+    else:
+        src.write_text(text)
+    assert prepare.input_size(src) == len(text.encode())
+    monkeypatch.setattr(prepare, "REPORT_BYTES", 64 << 10)
+    spy = CountSpy()
+    monkeypatch.setattr(prepare, "_worker_progress", spy)
+    monkeypatch.setattr(prepare, "_worker_tokenizer", Tokenizer(bundled_model_dir()))
+    prepare._tokenize_file(str(src), str(tmp_path / "shard-00000.npy"), "text", 0, "fingerprint")
+    assert spy.values == sorted(spy.values) and spy.values[-1] == len(text.encode())
+    assert sum(0 < v < len(text.encode()) for v in spy.values) >= 10, spy.values  # moved while reading

@@ -164,10 +164,10 @@ def test_every_config_field_is_checked_before_anything_is_built(saved_hf_model, 
     cfg = json.loads((folder / "config.json").read_text())
     cfg.update(changes)
     (folder / "config.json").write_text(json.dumps(cfg))
-    start = time.monotonic()
+    start = time.process_time()  # CPU seconds: the refusal's own work, whatever else the machine runs
     with pytest.raises(DuokaError) as e:
         load_hf_model(folder)
-    assert time.monotonic() - start < 2
+    assert time.process_time() - start < 2
     assert said in e.value.cause and str(folder / "config.json") in e.value.cause, e.value.cause
     assert "config.json" in e.value.fix or "transformers documents" in e.value.fix
 
@@ -178,10 +178,10 @@ def test_generate_on_a_config_of_2e9_layers_is_one_error_at_once(saved_hf_model,
         shutil.copy(tokenizer_dir / name, folder / name)
     cfg = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 2_000_000_000}))
-    start = time.monotonic()
+    start = time.process_time()  # CPU seconds (building 2e9 layers would take hours of them)
     proc = in_process("generate", "--model", str(folder), "--prompt", "hi", "--device", "cpu")
     assert proc.returncode == 2 and proc.stderr.count("error:") == 1 and "Traceback" not in proc.stderr
-    assert "num_hidden_layers is 2,000,000,000" in proc.stderr and time.monotonic() - start < 10
+    assert "num_hidden_layers is 2,000,000,000" in proc.stderr and time.process_time() - start < 10
 
 
 # ---------------------------------------------------------------- the tokenizer beside the model

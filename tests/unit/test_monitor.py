@@ -2,6 +2,7 @@
 Prometheus sinks fed one record (the training run that scrapes its live endpoint is in
 tests/integration/test_monitoring.py)."""
 
+import re
 import time
 import urllib.request
 from types import SimpleNamespace
@@ -278,6 +279,66 @@ def test_live_view_shows_ranks_gpus_shares_and_alerts(tmp_path):
     assert any(line.strip().startswith("1 ") and "NVIDIA H200" in line and "135.0 / 140.0" in line for line in lines)
 
 
+def eight_ranks() -> dict:
+    """record() spread over 8 ranks, each with its GPU's readings and a balance share."""
+    r = record(balance={"mode": "auto", "shares": [5, 3] * 4, "speed": [10.0, 6.0] * 4, "compute_s": [0.5] * 8})
+    r["per_rank"] = {k: v * 4 for k, v in r["per_rank"].items()}
+    r["gpus"] = [dict(g, rank=i, index=i) for i, g in enumerate(r["gpus"] * 4)]
+    return r
+
+
+def rank_rows(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()[:2] in {f"{i} " for i in range(8)}]
+
+
+def test_the_live_view_fits_80_columns_one_line_a_rank():
+    """At 80 columns every header stays whole (rich alone squeezed 15 columns to `r… l… s…`),
+    each rank is one line, the columns of least use are left out and named."""
+    from rich.console import Console
+
+    from duoka.monitor.dashboard import gpu_view, run_view
+
+    console = Console(width=80, record=True, color_system=None)
+    console.print(run_view([eight_ranks()], "runs/x"))
+    console.print(gpu_view(gpu.read_all(FakeNVML()), {0: 0, 1: 1}))
+    text = console.export_text()
+    assert "…" not in text and max(len(line.rstrip()) for line in text.splitlines()) <= 80, text
+    rows = rank_rows(text.split("GPUs (NVML")[0])
+    assert len(rows) == 8 and all(len(row.split()) >= 6 for row in rows), text
+    header = next(line for line in text.splitlines() if line.startswith("rank "))
+    assert {"rank", "loss", "step", "util", "mem", "throttle", "share"} <= set(header.split()), text
+    assert "left out at 80 columns: " in text and "step: step ms" in text  # what is not shown, what is short
+
+
+def test_monitor_once_into_a_pipe_at_80_columns_and_wide(tmp_path, in_process, monkeypatch):
+    import json
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps(eight_ranks()) + "\n")
+    monkeypatch.delenv("COLUMNS", raising=False)  # a pipe: rich draws at 80 columns
+    piped = in_process("monitor", str(run), "--once")
+    assert piped.returncode == 0, piped.stderr
+    assert "…" not in piped.stdout and len(rank_rows(piped.stdout)) == 8, piped.stdout
+    assert max(len(line.rstrip()) for line in piped.stdout.splitlines()) <= 80, piped.stdout
+    monkeypatch.setenv("COLUMNS", "200")  # a wide terminal: every column, full headers, nothing left out
+    wide = in_process("monitor", str(run), "--once")
+    assert "SM MHz" in wide.stdout and "power W" in wide.stdout and "left out" not in wide.stdout
+    assert len(rank_rows(wide.stdout)) == 8 and "…" not in wide.stdout
+
+
+def test_a_cpu_run_shows_no_empty_gpu_columns():
+    from rich.console import Console
+
+    from duoka.monitor.dashboard import run_view
+
+    console = Console(width=80, record=True, color_system=None)
+    console.print(run_view([record(gpus=[])], "runs/cpu"))
+    text = console.export_text()
+    assert "util" not in text and "temp" not in text and "left out" not in text  # no readings: no column
+    assert "rank" in text and "loss" in text and len(rank_rows(text)) == 2
+
+
 def test_html_report_has_a_chart_per_reading(tmp_path):
     import json
     from html.parser import HTMLParser
@@ -322,6 +383,17 @@ def test_html_report_has_a_chart_per_reading(tmp_path):
     assert ys == sorted(ys) and ys[0] < ys[-1]
     text = out.read_text()
     assert "<b>data_wait</b> (first at step 3): the step waited 20%" in text and "steps = 6" in text
+    # Every chart names its axes and marks them with ticks, labelled in order.
+    charts = text.split("<figure>")[1:]
+    assert len(charts) == len(page.captions)
+    for chart, caption in zip(charts, page.captions):
+        assert '<text class="x-title"' in chart and ">step</text>" in chart, caption
+        unit = caption.rsplit("(", 1)[1].rstrip(")") if caption.endswith(")") else caption
+        assert re.search(rf'class="y-title"[^>]*>{re.escape(unit)}</text>', chart), caption
+        for axis, least in (("x", 2), ("y", 3)):
+            labels = [float(v) for v in re.findall(rf'class="{axis}-tick"[^>]*>([^<]+)</text>', chart)]
+            assert len(labels) >= least and labels == sorted(labels), (caption, axis, labels)
+        assert chart.count('class="tick"') >= 5
     last = text.split('id="last-record">')[1].split("</script>")[0]
     assert json.loads(last)["step"] == 6  # machine-readable too
 

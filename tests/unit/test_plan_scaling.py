@@ -182,13 +182,14 @@ def test_a_faster_network_never_slows_a_plan():
 
 
 def test_a_72b_plan_on_1024_gpus_takes_seconds_at_most():
-    start = time.perf_counter()
+    # This process's CPU seconds, not the wall clock's: other processes on a loaded machine
+    # stretch the wall time (over 5 s in a full run) but not the search's own work.
+    start = time.process_time()
     plan = make_plan(resolve_model("qwen2-72b"), hw(1024), 2048)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert plan.best.fits and plan.considered > 1000
-    # About 3 s on an idle 2-core machine (3,676 layouts); the bound catches a search that
-    # grows out of hand, with room for a loaded CI machine (it took over 5 s in a full run).
-    assert elapsed < 12, f"{elapsed:.1f} s"
+    # About 3 s on a 2-core Xeon (3,676 layouts): the bound catches a search grown out of hand.
+    assert elapsed < 12, f"{elapsed:.1f} s of CPU"
     assert any("links: nvlink 350 GB/s; across nodes ib-ndr" in n and "(assumed" in n for n in plan.notes)
     assert not any("beyond 1,024 GPUs" in n for n in plan.notes)
     assert any("beyond 1,024 GPUs" in n for n in make_plan(resolve_model("qwen2-0.5b"), hw(2048), 2048).notes)

@@ -178,8 +178,13 @@ def test_adapters_are_models(s):
     assert s.engine.loras[-1] == "beta"
     s.client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     assert s.engine.loras[-1] is None
-    r = s.http.post("/v1/completions", json={"model": "gamma", "prompt": "hi"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "model" and "alpha" in r.json()["error"]["message"]
+    assert s.client.models.retrieve("beta").parent == MODEL
+    with pytest.raises(openai.NotFoundError) as e:  # OpenAI's answer for a model it does not have
+        s.client.completions.create(model="gamma", prompt="hi", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+    assert "alpha" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError):
+        s.client.models.retrieve("gamma")
 
 
 def test_every_parameter_is_listed_and_the_docs_hold_the_table():

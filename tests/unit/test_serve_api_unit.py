@@ -20,6 +20,7 @@ from duoka.hub import bundled_model_dir
 from duoka.serve.api import build_app
 from duoka.serve.api_responses import Responder
 from duoka.serve.async_engine import AsyncEngine, Draining, EngineError, QueueFull
+from duoka.serve.engine import EngineStats, RequestLimits
 from duoka.serve.params import RequestOutput, SamplingParams, TokenLogprob
 from duoka.serve.server_metrics import ServeMetrics
 
@@ -28,16 +29,8 @@ MAX_MODEL_LEN = 256
 
 
 @dataclass(frozen=True)
-class Stats:
-    num_running: int
-    num_waiting: int
-    kv_usage: float
-    kv_blocks: int
-    block_size: int
-    prefix_queries: int
-    prefix_hits: int
-    prompt_tokens: int
-    generation_tokens: int
+class Stats(EngineStats):
+    """The engine's stats, preemptions 0 unless given."""
     num_preemptions: int = 0
 
 
@@ -52,6 +45,7 @@ class FakeEngine:
         self.model_name = MODEL
         self.tokenizer = tokenizer
         self.max_model_len = MAX_MODEL_LEN
+        self.limits = RequestLimits(tokenizer.vocab_size, MAX_MODEL_LEN, 16, 16)
         self.default_params = {"temperature": 0.7}
         self.max_running = max_running
         self.step_s = step_s
@@ -330,11 +324,12 @@ def test_max_tokens_defaults_to_the_rest_of_the_context(served, tokenizer):
     assert s.engine.added[-1][1].max_tokens == 7  # the newer name wins, as OpenAI says
 
 
-def test_models_health_metrics(served):
+def test_models_health_metrics(served, tokenizer):
     s = served()
     models = s.client.get("/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == MODEL
     assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert models["data"][0]["vocab_size"] == tokenizer.vocab_size  # what duoka bench serve draws prompt ids from
     assert s.client.get("/health").status_code == 200
     s.client.post("/v1/chat/completions", json=chat_body())
     text = s.client.get("/metrics").text
@@ -357,7 +352,6 @@ BAD_CHAT = [
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content.0"),
     ({"messages": [{"role": "user"}]}, "messages.0.content"),
-    ({"model": "gpt-4"}, "model"),
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": "5"}, "max_tokens"),
     ({"max_tokens": 10_000}, "max_tokens"),
@@ -390,6 +384,21 @@ def test_bad_chat_requests_get_400(served, change, param):
     assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
     assert error["param"] is not None and error["param"].startswith(param.split(".")[0]), error
     assert not s.engine.added  # nothing reached the engine
+
+
+def test_an_unknown_model_is_a_404_model_not_found_as_openai_answers(served):
+    s = served()
+    one = s.client.get(f"/v1/models/{MODEL}")
+    assert one.status_code == 200 and one.json() == s.client.get("/v1/models").json()["data"][0]
+    for r in (s.client.get("/v1/models/gpt-4"), s.client.get("/v1/models/org/gpt-4"),
+              s.client.post("/v1/chat/completions", json={**chat_body(), "model": "gpt-4"}),
+              s.client.post("/v1/completions", json={"model": "gpt-4", "prompt": "hi"})):
+        error = r.json()["error"]
+        assert r.status_code == 404, r.text
+        assert (error["code"], error["param"], error["type"]) == ("model_not_found", "model", "invalid_request_error")
+        assert "'gpt-4'" in error["message"] or "'org/gpt-4'" in error["message"]
+        assert repr(MODEL) in error["message"]  # what to name instead
+    assert not s.engine.added
 
 
 def test_context_length_message_names_both_numbers_and_the_fix(served):
