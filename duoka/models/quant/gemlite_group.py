@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from duoka.models.quant.base import QuantizedLinear
-from duoka.models.quant.groupwise import GroupInts, uniform_groups
+from duoka.models.quant.groupwise import GroupInts, uniform_groups, unpermuted_columns
 from duoka.models.quant.small_batch import load_gemlite
 
 GEMLITE_BITS = (4, 8)
@@ -100,11 +100,7 @@ class GemliteGroupLinear(QuantizedLinear):
         # The layer applied to the identity gives W_perm.T.
         eye = torch.eye(self.in_features, device=self.gemlite_arg0.device, dtype=self.dtype)
         w_perm = torch.ops.gemlite.forward_functional(eye, None, self.tensor_args(), self.meta_args, -1).t()
-        if self.perm is None:
-            return w_perm.contiguous()
-        w = torch.empty_like(w_perm)
-        w[:, self.perm] = w_perm  # column k of W_perm is input column perm[k]
-        return w
+        return unpermuted_columns(w_perm, self.perm)
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers())

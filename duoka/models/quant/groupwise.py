@@ -107,6 +107,16 @@ def uniform_groups(ints: GroupInts) -> bool:
     return ints.in_features % ints.group_size == 0 and torch.equal(ints.g_idx[order], want)
 
 
+def unpermuted_columns(w_perm: torch.Tensor, perm: torch.Tensor | None) -> torch.Tensor:
+    """W [out, in] from a kernel's W_perm, whose column k is input column perm[k] (act-order
+    weights made group-consecutive at load); perm None: W_perm is W."""
+    if perm is None:
+        return w_perm.contiguous()
+    w = torch.empty_like(w_perm)
+    w[:, perm] = w_perm
+    return w
+
+
 def concat_parts(parts: list[GroupInts], names: list[str]) -> GroupInts:
     """The parts stacked along the output rows (q/k/v -> one projection). They read one input,
     so their input columns must mean the same: same g_idx and group count."""

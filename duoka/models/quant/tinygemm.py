@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from duoka.models.quant.base import QuantizedLinear
-from duoka.models.quant.groupwise import GroupInts, uniform_groups
+from duoka.models.quant.groupwise import GroupInts, uniform_groups, unpermuted_columns
 
 TINYGEMM_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm accepts as qGroupSize
 _INNER_K_TILES = (8, 4, 2)  # the kernel's k tiling; in_features must be a multiple of 16 * tiles
@@ -104,11 +104,7 @@ class TinyGemmInt4Linear(QuantizedLinear):
         # The kernel applied to the identity gives W_perm.T (torchao dequantizes so too).
         eye = torch.eye(self.in_features, device=self.packed.device, dtype=torch.bfloat16)
         w_perm = torch.ops.aten._weight_int4pack_mm(eye, self.packed, self.group_size, self.scales_and_zeros).t()
-        if self.perm is None:
-            return w_perm.contiguous()
-        w = torch.empty_like(w_perm)
-        w[:, self.perm] = w_perm  # column k of W_perm is input column perm[k]
-        return w
+        return unpermuted_columns(w_perm, self.perm)
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.buffers())
