@@ -73,6 +73,10 @@ DEFAULT_PROMPT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is g
 # Above this many running requests a step decodes plainly (speculative_disable_by_batch_size):
 # provisional, to be set from bench/serve_speculative.py's batch sweep on a GPU.
 DEFAULT_SPECULATIVE_MAX_BATCH = 16
+# Prompt tokens beside running decodes: a 7B step of 512 tokens is ~10 ms of H200 compute, so a
+# new prompt adds about that to the streams' inter-token time instead of a whole 1-2K-token step
+# (ITL p99 45 ms at 8,192); provisional until bench/serve_vs_peer.sh's latency run sets it.
+DEFAULT_PREFILL_BESIDE_DECODES = 512
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,12 @@ class EngineConfig:
     max_num_seqs: int = option(256, "most requests in one step", flag="--max-num-seqs", commands=(SERVE,))
     max_num_batched_tokens: int = option(8192, "token budget of one step: prefill chunks beside the decodes",
                                          flag="--max-num-batched-tokens", commands=(SERVE,))
+    max_prefill_beside_decodes: int = option(
+        DEFAULT_PREFILL_BESIDE_DECODES,
+        "prompt tokens a step computes at most while requests are decoding: a long prompt then goes in "
+        "chunks, so the streams' inter-token time stays short (0: up to --max-num-batched-tokens; the "
+        "default is provisional until the latency run of bench/serve_vs_peer.sh sets it)",
+        flag="--max-prefill-beside-decodes", commands=(SERVE,))
     enable_prefix_caching: bool = option(
         True, "reuse the KV-cache blocks of shared prompt prefixes",
         flag="--no-prefix-caching", commands=(SERVE,), switch={"enable_prefix_caching": False},
@@ -174,6 +184,9 @@ class EngineConfig:
         if self.block_size < 1 or self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise DuokaError("block size, max_num_seqs and max_num_batched_tokens must be at least 1",
                              "leave them at their defaults (16, 256, 8192) unless you are tuning")
+        if self.max_prefill_beside_decodes < 0:
+            raise DuokaError(f"--max-prefill-beside-decodes {self.max_prefill_beside_decodes} is negative",
+                             "give the prompt tokens a decoding step may add, e.g. 512, or 0 for no cap")
         # Plain strings, whatever path type the caller had: the config travels between processes.
         for name in ("model", "adapter", "speculative_model"):
             value = getattr(self, name)

@@ -178,7 +178,7 @@ class LLMEngine:
         self.blocks = BlockManager(self.shape.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len,
                                    self.eos_ids, config.num_speculative_tokens or 0,
-                                   config.speculative_disable_by_batch_size)
+                                   config.speculative_disable_by_batch_size, config.max_prefill_beside_decodes)
         self.speculator = None
         if config.speculation is not None:
             self.speculator = Speculator(proposer_factory(config, worker), worker.sampler, self.shape.block_size,

@@ -18,6 +18,10 @@ The policy is vLLM v1's, first come first served, under one token budget per ste
    request with prompt logprobs whose next blocks another such request is computing steps
    aside instead (the rest are admitted past it) and comes back to the front once they are
    cached with their entries: lm-eval's choices of one question share their context so.
+3. A step that holds a decode computes at most max_prefill_beside_decodes prompt tokens
+   (running chunks and admissions together; 0: no cap). A step's time grows with its tokens,
+   and every stream waits for the whole step: the cap bounds the inter-token stall a newly
+   arrived prompt causes, at the price of its own first token coming a step or two later.
 
 A sequence of max_tokens 0 (scoring a prompt for its prompt logprobs) is scheduled like any
 other, samples nothing, and finishes ("length") with the step that completes its prompt.
@@ -162,12 +166,15 @@ class ScheduledBatch:
 
 class Scheduler:
     """num_lookahead: speculative tokens per decode (K; 0: no speculation), in steps that start
-    with at most speculate_max_running running sequences."""
+    with at most speculate_max_running running sequences. max_prefill_beside_decodes: prompt
+    tokens a step holding a decode computes at most (0: only the step's budget bounds them)."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_ids: frozenset[int], num_lookahead: int = 0,
-                 speculate_max_running: int = 0):
+                 speculate_max_running: int = 0, max_prefill_beside_decodes: int = 0):
         assert max_num_seqs >= 1 and max_num_batched_tokens >= 1 and max_model_len >= 2
+        assert max_prefill_beside_decodes >= 0
+        self.max_prefill_beside_decodes = max_prefill_beside_decodes
         self.num_lookahead = num_lookahead
         self.speculate_max_running = speculate_max_running
         self.block_manager = block_manager
@@ -240,12 +247,17 @@ class Scheduler:
         running = self.running
         speculate = self.num_lookahead if len(running) <= self.speculate_max_running else 0
         batch.speculation_off = self.num_lookahead > 0 and not speculate
+        prefill = self._prefill_budget(budget)
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
             start, num_tokens = seq.num_computed, len(seq.all_ids)
-            end = min(num_tokens, start + budget)
-            ahead = self._lookahead(seq, speculate, budget) if speculate and num_tokens - start == 1 else 0
+            decode = num_tokens - start == 1
+            if not decode and prefill == 0:
+                i += 1  # its next chunk waits for a step with prompt budget left
+                continue
+            end = min(num_tokens, start + (budget if decode else min(budget, prefill)))
+            ahead = self._lookahead(seq, speculate, budget) if speculate and decode else 0
             # Blocks are asked for only past the table's end (most decodes fit in their last block).
             if end + ahead > len(seq.block_table) * block_size:
                 if ahead and not bm.ensure_slots(seq, end - start + ahead):
@@ -255,14 +267,24 @@ class Scheduler:
                     break  # seq preempted itself: it was the last one running
             items.append(ScheduledItem(seq, start, end - start, end == num_tokens and seq.generates, ahead))
             budget -= end - start + ahead
+            if not decode:
+                prefill -= end - start
             i += 1
         if batch.preempted:
             # Popped most recent first; pushed to the front one by one, they end up in their
             # original order ahead of everything that arrived later.
             self.waiting.extendleft(batch.preempted)
             return batch
-        self._admit(batch, budget)
+        self._admit(batch, min(budget, prefill))
         return batch
+
+    def _prefill_budget(self, budget: int) -> int:
+        """Prompt tokens this step may compute: the cap when a running sequence decodes, else
+        the whole budget (an idle server prefills at full speed)."""
+        cap = self.max_prefill_beside_decodes
+        if cap and any(len(seq.all_ids) - seq.num_computed == 1 for seq in self.running):
+            return min(cap, budget)
+        return budget
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> None:
         """Admit waiting sequences in arrival order while the budget, max_num_seqs and the free

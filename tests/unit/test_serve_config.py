@@ -45,11 +45,12 @@ def test_no_flags_give_the_defaults():
 def test_serve_flags_set_their_fields():
     a = _parse("serve", "/models/m", "--tp", "2", "--device", "cpu", "--dtype", "float32", "--max-model-len", "512",
                "--gpu-memory-utilization", "0.5", "--num-kv-blocks", "64", "--block-size", "8", "--max-num-seqs", "4",
-               "--max-num-batched-tokens", "100", "--served-model-name", "mine", "--no-prefix-caching",
-               "--enforce-eager", "--port", "9000")
+               "--max-num-batched-tokens", "100", "--max-prefill-beside-decodes", "0", "--served-model-name", "mine",
+               "--no-prefix-caching", "--enforce-eager", "--port", "9000")
     want = EngineConfig(model="/models/m", tp=2, device="cpu", dtype="float32", max_model_len=512,
                         gpu_memory_utilization=0.5, num_kv_blocks=64, block_size=8, max_num_seqs=4,
-                        max_num_batched_tokens=100, served_model_name="mine", enable_prefix_caching=False,
+                        max_num_batched_tokens=100, max_prefill_beside_decodes=0, served_model_name="mine",
+                        enable_prefix_caching=False,
                         cuda_graphs=False, compile=False)
     assert engine_config_from_args(a, SERVE) == want
     assert a.port == 9000  # a server flag, not the engine's
@@ -65,7 +66,8 @@ def test_each_command_keeps_its_flags():
 
     assert flags("serve") == {"--tp", "--host", "--port", "--api-key", "--adapter", "--lora", "--served-model-name",
                               "--max-model-len", "--gpu-memory-utilization", "--max-queue", "--grace", "--device",
-                              "--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--block-size",
+                              "--dtype", "--max-num-seqs", "--max-num-batched-tokens", "--max-prefill-beside-decodes",
+                              "--block-size",
                               "--num-kv-blocks", "--no-prefix-caching", "--enforce-eager", "--skip-weight-check",
                               "--allowed-origins", "--log-requests", "--quantization", "--load-format",
                               *SPECULATIVE, "--speculative-disable-by-batch-size"}

@@ -74,22 +74,35 @@ def check_invariants(sched: Scheduler):
     assert len(sched.running) <= sched.max_num_seqs
 
 
-def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, max_model_len=256, eos=NEVER_EOS, caching=True):
+def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, max_model_len=256, eos=NEVER_EOS, caching=True,
+         prefill_cap=0):
     bm = BlockManager(num_blocks, block_size, enable_prefix_caching=caching)
-    return Scheduler(bm, max_num_seqs, budget, max_model_len, eos), FakeModel(bm)
+    sched = Scheduler(bm, max_num_seqs, budget, max_model_len, eos, max_prefill_beside_decodes=prefill_cap)
+    return sched, FakeModel(bm)
+
+
+def decodes_and_prefill(batch: ScheduledBatch) -> tuple[int, int]:
+    """(decodes, prompt tokens) of a batch just scheduled (before update appends the tokens)."""
+    decodes = [item.seq.num_tokens - item.start == 1 for item in batch.items]
+    return sum(decodes), sum(item.num_new for item, d in zip(batch.items, decodes) if not d)
 
 
 def prompt(n: int, start: int = 10) -> list[int]:
     return list(range(start, start + n))
 
 
-def run(sched: Scheduler, model: FakeModel, max_steps=10_000, on_step=None):
-    """Step until nothing is left; returns the batches."""
+def run(sched: Scheduler, model: FakeModel, max_steps=10_000, on_step=None, counts=None):
+    """Step until nothing is left; returns the batches (and each one's decodes_and_prefill in counts)."""
     batches = []
     while sched.has_unfinished():
         assert len(batches) < max_steps, "no progress"
         batch = sched.schedule()
         assert batch.num_tokens <= sched.max_num_batched_tokens
+        decodes, prefill = decodes_and_prefill(batch)
+        if decodes and sched.max_prefill_beside_decodes:
+            assert prefill <= sched.max_prefill_beside_decodes
+        if counts is not None:
+            counts.append((decodes, prefill))
         assert batch.items or batch.preempted
         sched.update(batch, model.step(batch))
         check_invariants(sched)
@@ -395,14 +408,38 @@ def test_add_asserts_a_request_fits_alone():
         sched.add(Sequence("ok", prompt(3), SamplingParams(max_tokens=1)))  # id in flight
 
 
+def test_prefill_beside_decodes_is_capped_and_an_idle_step_takes_the_whole_budget():
+    sched, model = make(budget=64, prefill_cap=6)
+    seqs = [Sequence("a", prompt(40), SamplingParams(max_tokens=30)),
+            Sequence("b", prompt(20, 300), SamplingParams(max_tokens=2)),
+            Sequence("c", prompt(5, 600), SamplingParams(max_tokens=2))]
+    sched.add(seqs[0])
+
+    def on_step(step, batch):
+        if step == 2:  # "a" decodes now: a long prompt arrives, then a short one
+            sched.add(seqs[1])
+            sched.add(seqs[2])
+
+    counts = []
+    batches = run(sched, model, on_step=on_step, counts=counts)
+    assert counts[0] == (0, 40)  # nobody decodes: the whole prompt in one step
+    assert all(p <= 6 for d, p in counts if d) and any(d and p == 6 for d, p in counts)
+    chunks = [(i.seq.request_id, i.num_new) for b in batches[2:6] for i in b.items if i.seq.request_id != "a"]
+    # b goes in chunks of the cap; c is admitted with what b leaves of it, behind b (FCFS)
+    assert chunks == [("b", 6), ("b", 6), ("b", 6), ("b", 2), ("c", 4)]
+    for seq in seqs:
+        assert seq.output_ids == expected_output(seq.num_prompt_tokens, seq.params.max_tokens)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_random_workload_with_aborts(seed):
     rng = random.Random(seed)
     block_size = rng.choice([1, 2, 4, 16])
     num_blocks = rng.randint(40, 80) // block_size + 3
     capacity = num_blocks * block_size
+    cap = (0, 1, 3, 8)[seed]  # prompt tokens beside decodes: uncapped, then tighter and looser caps
     sched, model = make(num_blocks=num_blocks, block_size=block_size, max_num_seqs=rng.randint(1, 6),
-                        budget=rng.randint(1, 40), max_model_len=64)
+                        budget=rng.randint(1, 40), max_model_len=64, prefill_cap=cap)
     prefixes = [[rng.randrange(50, 60) for _ in range(rng.randint(0, 20))] for _ in range(3)]
     seqs, aborted, arrivals = [], set(), 0
 
