@@ -73,10 +73,10 @@ DEFAULT_PROMPT_LOOKUP = 5  # vLLM's prompt_lookup_min and _max when neither is g
 # Above this many running requests a step decodes plainly (speculative_disable_by_batch_size):
 # provisional, to be set from bench/serve_speculative.py's batch sweep on a GPU.
 DEFAULT_SPECULATIVE_MAX_BATCH = 16
-# Prompt tokens beside running decodes: a 7B step of 512 tokens is ~10 ms of H200 compute, so a
-# new prompt adds about that to the streams' inter-token time instead of a whole 1-2K-token step
-# (ITL p99 45 ms at 8,192); provisional until bench/serve_vs_peer.sh's latency run sets it.
-DEFAULT_PREFILL_BESIDE_DECODES = 512
+# No cap on prompt tokens beside running decodes: a cap of 512 made the 7B latency run worse on
+# an H100 (TTFT p50 65 -> 150 ms, ITL p99 52 -> 70 ms; bench/NOTES.md 27): a step holding a
+# prefill chunk costs far more than its FLOPs, so more such steps lose. A cap is for long prompts.
+DEFAULT_PREFILL_BESIDE_DECODES = 0
 
 
 @dataclass(frozen=True)
@@ -127,9 +127,9 @@ class EngineConfig:
                                          flag="--max-num-batched-tokens", commands=(SERVE,))
     max_prefill_beside_decodes: int = option(
         DEFAULT_PREFILL_BESIDE_DECODES,
-        "prompt tokens a step computes at most while requests are decoding: a long prompt then goes in "
-        "chunks, so the streams' inter-token time stays short (0: up to --max-num-batched-tokens; the "
-        "default is provisional until the latency run of bench/serve_vs_peer.sh sets it)",
+        "prompt tokens a step computes at most while requests are decoding (0: up to "
+        "--max-num-batched-tokens): a prompt of many thousand tokens then goes in chunks instead of stalling "
+        "every stream for one long step; for 1K-token prompts a cap of 512 measured worse",
         flag="--max-prefill-beside-decodes", commands=(SERVE,))
     enable_prefix_caching: bool = option(
         True, "reuse the KV-cache blocks of shared prompt prefixes",
