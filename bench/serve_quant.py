@@ -37,6 +37,10 @@ from duoka.serve.params import SamplingParams  # noqa: E402
 
 
 def batch1(folder: Path, quantization: str | None, vocab: int) -> dict:
+    # Memory as a difference: variants share this process, and what an earlier engine left
+    # allocated (compiled graphs may keep its weights) is not this one's (an H100 run read
+    # 17.8 GiB "weights" for a 5.3 GiB AWQ model right after the bf16 one).
+    before = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=str(folder), quantization=quantization, max_model_len=4096,
                                     max_num_seqs=1))
@@ -57,10 +61,11 @@ def batch1(folder: Path, quantization: str | None, vocab: int) -> dict:
         stamps = run(256, f"timed{k}")
         rates.append((len(stamps) - 3) / (stamps[-1] - stamps[2]))
     result = {"start_s": round(start_s, 1), "tokens_per_s": sorted(rates)[1], "runs": rates,
-              "weights_gib": torch.cuda.memory_allocated() / 2**30}
+              "allocated_gib": (torch.cuda.memory_allocated() - before) / 2**30}
     del engine
     gc.collect()
     torch.cuda.empty_cache()
+    result["left_allocated_gib"] = (torch.cuda.memory_allocated() - before) / 2**30  # after del: a leak
     return result
 
 

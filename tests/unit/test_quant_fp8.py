@@ -269,12 +269,16 @@ def test_cuda_small_batch_is_the_weight_only_product(dtype):
     layer = quantize_fp8(t.__getitem__, [Part("m")], FP8, True, dev, dtype)
     assert layer.small_batch is not None
     w = (layer.weight.float() * layer.weight_scale[:, None]).cpu()
+    # fp16 outputs: gemlite 0.6 adds split-K partials with fp16 atomics whatever
+    # set_native_atomic_bfp16 says (native for fp16), each partial rounded to fp16: an H100 had
+    # 0.19 off at magnitude 30 (12 fp16 steps, 0.6%: under two bf16 steps). bf16 sums in fp32.
+    steps = 2 if dtype is torch.bfloat16 else 16
     for rows in (1, 3, SMALL_BATCH_ROWS):
         x = torch.randn(rows, k, dtype=dtype, device=dev)
         product = (x.float().cpu() @ w.t()).to(dev)  # on the CPU: exact fp32, never TF32
         want = (product + layer.bias.float()).to(dtype)
-        _assert_within_steps(layer(x), want, product, dtype)
-        _assert_within_steps(torch.compile(layer, fullgraph=True, dynamic=True)(x), want, product, dtype)
+        _assert_within_steps(layer(x), want, product, dtype, steps)
+        _assert_within_steps(torch.compile(layer, fullgraph=True, dynamic=True)(x), want, product, dtype, steps)
         _graph_replays_as_eager(layer, x, exact=False)
 
 

@@ -56,7 +56,8 @@ def load_gemlite():
         gemlite.load_config(str(_state["tuned_file"]), print_error=False)
         # Split-K partial sums added in fp32, not bf16 (gemlite's default on sm90 rounds each
         # partial to bf16: 2.0 off on an H100 where one output step is 0.0156). One cast
-        # kernel more for 3-32 rows; one row takes a GEMV without atomics either way.
+        # kernel more for 3-32 rows; one row takes a GEMV without atomics either way. fp16
+        # outputs keep fp16 atomics (gemlite's choice for fp16): each partial rounded to fp16.
         gemlite.set_native_atomic_bfp16(False)
     return gemlite
 
