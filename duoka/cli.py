@@ -701,6 +701,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Before torch loads OpenMP here or in a worker: threads waiting at a barrier sleep rather
+    # than spin. Beside other CPU-bound work, spinning threads took the cores from the threads
+    # they waited for (the default CPU run: 47 s alone, ~10x beside two busy processes); alone
+    # it costs ~12% on an idle 2-core machine (bench/NOTES.md 29). The user's own setting wins.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser()
     try:
         args = parse_command_line(parser, list(sys.argv[1:] if argv is None else argv))
