@@ -12,7 +12,9 @@ sequences (each with its sampling row); the model then verifies them all in one 
   own sampling processes the model's (penalties, temperature, min-p, top-k, top-p; greedy:
   the argmax), with noise of its own seed. Its cache lives block for block beside the
   model's (the same block tables), its K/V computed lazily: the first proposal for a sequence
-  computes its whole context, later ones only what the model accepted since.
+  computes its whole context, later ones only what the model accepted since. The two
+  vocabularies may differ (Qwen2-7B 152,064 rows, Qwen2-0.5B 151,936): the draft reads a
+  context id past its own vocabulary as DRAFT_STAND_IN, and proposes only ids both have.
 
 Neither decides what is emitted: the verification does, so a proposer's only effect on the
 output is its speed (and, for a draft model's sampled requests, which draws are taken).
@@ -43,6 +45,10 @@ DRAFT_SEED_SALT = 0x5EC_D7AF7
 # step (the usual one, 1 or 2 tokens per sequence) replays a CUDA graph. Longer ones run as a
 # prefill chunk, whose attention reads the context once rather than once per token.
 FLAT_CATCH_UP = 2
+# What the draft reads in place of a context id past its vocabulary (the model sampled one of its
+# extra rows, or a client sent it in a token-id prompt): any valid id, so the draft's embedding
+# lookup stays in bounds. The verification decides the output: this only lowers the acceptance there.
+DRAFT_STAND_IN = 0
 
 
 @dataclass(frozen=True)
@@ -134,15 +140,17 @@ class DraftModelProposer:
     or padded to (Qwen2-0.5B has 151,936 rows, Qwen2-7B 152,064: both past the tokenizer's
     151,646 ids, so the extra rows are never real tokens). catch_up_budget: tokens of draft
     context computed per step at most (the model's token budget, so no draft step is larger
-    than the profiled one); a sequence still catching up proposes nothing that step."""
+    than the profiled one); a sequence still catching up proposes nothing that step.
+    draft_vocab: the draft's vocabulary (its embedding's rows), which its input ids must stay below."""
 
     def __init__(self, execute: Callable[[StepInputs], torch.Tensor], sampler: Sampler, block_size: int, vocab: int,
-                 catch_up_budget: int):
+                 catch_up_budget: int, draft_vocab: int):
         self.execute = execute
         self.sampler = sampler
         self.block_size = block_size
         self.vocab = vocab
         self.catch_up_budget = catch_up_budget
+        self.draft_vocab = draft_vocab
         self._state: dict[str, _DraftState] = {}
 
     def forget(self, request_id: str) -> None:
@@ -159,7 +167,7 @@ class DraftModelProposer:
             pieces = [Piece(requests[i].seq, requests[i].seq.num_tokens + step - 1, [drafts[i][-1]], True, 1)
                       for i in active]
             step_rows = self._rows(requests, active, drafts)
-            q = self._q(self.execute(pieces_inputs(pieces, self.block_size)), step_rows)
+            q = self._q(self._run(pieces), step_rows)
             self._take(q, step_rows, requests, active, drafts, probs, where, step)
         for i, r in enumerate(requests):
             if drafts[i]:  # positions n .. n + k - 2 now hold the draft K/V of all drafts but the last
@@ -197,10 +205,10 @@ class DraftModelProposer:
                 proposing.append(i)
         if not proposing:
             if pieces:  # catch-up only: no logits wanted
-                self.execute(pieces_inputs(sorted(pieces, key=lambda piece: not piece.decode_rows), self.block_size))
+                self._run(sorted(pieces, key=lambda piece: not piece.decode_rows))
             return [], None
         pieces.sort(key=lambda piece: not piece.decode_rows)  # decode rows first (stable)
-        logits = self.execute(pieces_inputs(pieces, self.block_size))
+        logits = self._run(pieces)
         # Each proposing piece's last logits row, in the pieces' order; back to the requests' order.
         ends, row = {}, 0
         for piece in pieces:
@@ -209,6 +217,15 @@ class DraftModelProposer:
                 ends[piece.seq.request_id] = row - 1
         index = torch.tensor([ends[requests[i].seq.request_id] for i in proposing], device=logits.device)
         return proposing, logits.index_select(0, index)
+
+    def _run(self, pieces: list[Piece]) -> torch.Tensor:
+        """The draft's logits for pieces (decode-row pieces first), its K/V written to the slots
+        of the pieces' positions: the cache stays block for block the model's."""
+        inputs = pieces_inputs(pieces, self.block_size)
+        # Only the draft's input changes, never the sequence: ids past the draft's vocabulary read
+        # DRAFT_STAND_IN (in place: pieces_inputs built the tensor for this step alone).
+        inputs.token_ids.masked_fill_(inputs.token_ids >= self.draft_vocab, DRAFT_STAND_IN)
+        return self.execute(inputs)
 
     def _computed(self, seq: Sequence) -> int:
         """How many leading tokens of seq have their draft K/V in the cache."""
@@ -240,13 +257,15 @@ class DraftModelProposer:
         return rows
 
     def _q(self, logits: torch.Tensor | None, rows: list[SampleRow]) -> torch.Tensor | None:
-        """The draft's processed distributions over the model's vocabulary."""
+        """The draft's processed distributions over the model's vocabulary, zero past the first
+        min(draft vocab, model vocab) ids: the draft proposes only ids both models have, and q is
+        the distribution its tokens are drawn from (Leviathan's test and residual read it)."""
         if logits is None or not rows:
             return None
         width = logits.shape[1]
-        if width > self.vocab:  # ids the model does not have are never proposed
+        if width > self.vocab:  # ids the model does not have are never proposed (nor verified)
             logits = logits[:, :self.vocab]
-        elif width < self.vocab:
+        elif width < self.vocab:  # nor the model's extra ids, which the draft has no logits for
             logits = torch.cat([logits, logits.new_full((len(logits), self.vocab - width), float("-inf"))], dim=1)
         return self.sampler.probabilities(self.sampler.processed(logits, rows), rows)
 
@@ -284,4 +303,4 @@ def default_proposer(config: EngineConfig, worker: Worker) -> Proposer:
     if config.speculation == "ngram":
         return NgramProposer(*config.prompt_lookup)
     return DraftModelProposer(worker.execute_draft, worker.sampler, config.block_size, worker.args.vocab_size,
-                              config.max_num_batched_tokens)
+                              config.max_num_batched_tokens, worker.draft_args.vocab_size)
