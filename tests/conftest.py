@@ -25,6 +25,12 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto`: one worker per core, at most four. A worker's multi-process tests start up to
+    four ranks and a server or Slurm of their own; beyond four workers memory, not cores, binds."""
+    return max(1, min(4, os.cpu_count() or 1))
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
