@@ -104,8 +104,9 @@ def plant_(model, pi: np.ndarray) -> None:
     assert n <= min(len(embed), len(head)), (n, embed.shape, head.shape)
     dest = torch.from_numpy(pi).to(embed.device)
     for start in range(0, n, PLANT_CHUNK):  # the copy reads each row before its scaling writes it
-        rows = embed[start:start + PLANT_CHUNK]
-        head.index_copy_(0, dest[start:start + PLANT_CHUNK], rows)
+        stop = min(start + PLANT_CHUNK, n)  # pi covers the draft's ids, fewer than the target's rows
+        rows = embed[start:stop]
+        head.index_copy_(0, dest[start:stop], rows)
         rms = rows.float().pow(2).mean(dim=1, keepdim=True).sqrt().clamp_min(1e-12)
         rows.copy_(rows.float() * (EMBED_RMS / rms))
     head[n:].zero_()

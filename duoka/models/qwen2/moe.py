@@ -73,8 +73,10 @@ def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
 
 
 @torch.compiler.assume_constant_result
-def _cuda_capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+def _cuda_grouped_mm_capable(index: int) -> bool:
+    # A bool, compared here: torch 2.11's dynamo failed to guard `tuple >= tuple` on this
+    # function's result when compiling a serving step (InternalTorchDynamoError, H100).
+    return torch.cuda.get_device_capability(index) >= (8, 0)
 
 
 def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
@@ -87,7 +89,7 @@ def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     if x.device.type == "cuda":
         index = x.device.index if x.device.index is not None else torch.cuda.current_device()
         aligned = all(n % 8 == 0 for n in weight.shape[1:])
-        return x.dtype == torch.bfloat16 and aligned and _cuda_capability(index) >= (8, 0)
+        return x.dtype == torch.bfloat16 and aligned and _cuda_grouped_mm_capable(index)
     if x.device.type == "cpu":  # bf16 rows 16-byte aligned too (a tp shard of width 12 is not)
         aligned = all(n % 8 == 0 for n in weight.shape[1:])
         return (x.dtype == torch.bfloat16 and aligned) or (x.dtype == torch.float32 and not torch.compiler.is_compiling())
