@@ -205,6 +205,9 @@ def kernel_breakdown(worker: Worker, items: list[ScheduledItem], top: int = 12) 
     else:
         for e in prof.key_averages():
             times[e.key[:100]] = [e.self_cpu_time_total / 1000, e.count]
+    # The host's side on CUDA: operators and runtime calls by self CPU time (a cudaStreamSynchronize
+    # or a pageable cudaMemcpy here is a wait for the device inside the step).
+    host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top] if cuda else []
     total = sum(v[0] for v in times.values())
     kinds: dict[str, float] = defaultdict(float)
     for name, (ms, _) in times.items():
@@ -212,7 +215,9 @@ def kernel_breakdown(worker: Worker, items: list[ScheduledItem], top: int = 12) 
         kinds[kind] += ms
     ranked = sorted(times.items(), key=lambda kv: -kv[1][0])[:top]
     return {"profiled_wall_ms": wall, ("kernel_ms" if cuda else "self_cpu_ms"): total,
-            "by_kind_ms": dict(kinds), "top": [{"name": k, "ms": v[0], "calls": v[1]} for k, v in ranked]}
+            "by_kind_ms": dict(kinds), "top": [{"name": k, "ms": v[0], "calls": v[1]} for k, v in ranked],
+            "host_top": [{"name": e.key[:100], "self_cpu_ms": e.self_cpu_time_total / 1000, "calls": e.count}
+                         for e in host]}
 
 
 def graph_count() -> int:

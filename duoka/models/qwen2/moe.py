@@ -92,7 +92,8 @@ def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return x.dtype == torch.bfloat16 and aligned and _cuda_grouped_mm_capable(index)
     if x.device.type == "cpu":  # bf16 rows 16-byte aligned too (a tp shard of width 12 is not)
         aligned = all(n % 8 == 0 for n in weight.shape[1:])
-        return (x.dtype == torch.bfloat16 and aligned) or (x.dtype == torch.float32 and not torch.compiler.is_compiling())
+        eager_fp32 = x.dtype == torch.float32 and not torch.compiler.is_compiling()
+        return (x.dtype == torch.bfloat16 and aligned) or eager_fp32
     return False
 
 
