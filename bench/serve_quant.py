@@ -40,6 +40,8 @@ def batch1(folder: Path, quantization: str | None, vocab: int) -> dict:
     # Memory as a difference: variants share this process, and what an earlier engine left
     # allocated (compiled graphs may keep its weights) is not this one's (an H100 run read
     # 17.8 GiB "weights" for a 5.3 GiB AWQ model right after the bf16 one).
+    gc.collect()  # an earlier variant's engine, if a reference cycle still holds it
+    torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
     engine = LLMEngine(EngineConfig(model=str(folder), quantization=quantization, max_model_len=4096,
@@ -62,7 +64,7 @@ def batch1(folder: Path, quantization: str | None, vocab: int) -> dict:
         rates.append((len(stamps) - 3) / (stamps[-1] - stamps[2]))
     result = {"start_s": round(start_s, 1), "tokens_per_s": sorted(rates)[1], "runs": rates,
               "allocated_gib": (torch.cuda.memory_allocated() - before) / 2**30}
-    del engine
+    del engine, run  # run's default argument holds the engine too (an H100 run read that as a leak)
     gc.collect()
     torch.cuda.empty_cache()
     result["left_allocated_gib"] = (torch.cuda.memory_allocated() - before) / 2**30  # after del: a leak

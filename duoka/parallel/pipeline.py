@@ -19,13 +19,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-)
 
 from duoka.models.qwen2.args import ModelArgs, ModelOptions
 from duoka.models.qwen2.model import Qwen2, StageSlice, TransformerBlock, build_model
@@ -33,8 +26,9 @@ from duoka.models.qwen2.rope import rope_cos_sin
 from duoka.parallel.dtensor import local_value
 from duoka.timing import median_seconds
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B,
-             "zero_bubble": ScheduleInterleavedZeroBubble}
+# The schedules by name (torch.distributed.pipelining's classes of these names).
+SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+             "zero_bubble": "ScheduleInterleavedZeroBubble"}
 MULTI_STAGE = ("interleaved_1f1b", "zero_bubble")
 
 
@@ -89,9 +83,13 @@ def build_schedule(parts: list[Qwen2], ids: list[int], n_stages: int, schedule: 
     """The pipeline schedule over this rank's stages. Gradients are not scaled by the
     number of micro-batches (scale_grads=False): the loss is already normalised by the
     global token count, as in every other layout."""
+    # Imported here: torch.distributed.pipelining imports torch._dynamo, over a second of every
+    # rank's start-up that only a pipelined run needs (tests/unit/test_startup_imports.py).
+    from torch.distributed.pipelining import PipelineStage, schedules
+
     stages = [PipelineStage(part, stage_index=s, num_stages=n_stages, device=device, group=pp_group)
               for part, s in zip(parts, ids)]
-    cls = SCHEDULES[schedule]
+    cls = getattr(schedules, SCHEDULES[schedule])
     if schedule in MULTI_STAGE:
         return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)
     return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=False)

@@ -72,11 +72,16 @@ def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
     return order, counts
 
 
-@torch.compiler.assume_constant_result
 def _cuda_grouped_mm_capable(index: int) -> bool:
     # A bool, compared here: torch 2.11's dynamo failed to guard `tuple >= tuple` on this
     # function's result when compiling a serving step (InternalTorchDynamoError, H100).
     return torch.cuda.get_device_capability(index) >= (8, 0)
+
+
+# torch.compiler.assume_constant_result(_cuda_grouped_mm_capable), without that function's import
+# of torch._dynamo (over a second of every process's start-up): the one attribute it sets, torch
+# 2.11-2.13 (tests/unit/test_startup_imports.py holds both halves of this).
+_cuda_grouped_mm_capable._dynamo_marked_constant = True
 
 
 def grouped_mm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
