@@ -8,15 +8,11 @@ loglikelihood side by side (the largest difference).
 The eval is made here, offline: QUESTIONS questions, each a context of about CONTEXT_CHARS
 characters of the bundled corpus (a few hundred tokens) and four choices of CHOICE_CHARS
 characters (multi-token), as a local JSONL file and task YAML (lm-eval's `dataset_path: json`).
-lm-eval sends each choice as its own request: context + choice, the four sharing the context.
-duoka computes a request that asks for prompt logprobs whole, without the prefix cache (the
-cache keeps keys and values, not the logits of the cached rows): the context is computed four
-times, as the hf backend does. Issue 48's target (4x the hf backend, "what the prefix cache is
-for") needs the context shared: each cached block's rows' top-k kept with the block and the
-context's last row computed again (docs/serving.md, "Evaluating a served model"); this script
-measures what there is, and will measure that.
+lm-eval sends each choice as its own request: context + choice, the four sharing the context,
+which the prefix cache computes once (prompt logprobs kept with the cached blocks;
+docs/serving.md, "Evaluating a served model"); `prompt_tokens_computed` counts what was computed.
 
-GPU (later session; not run yet):
+GPU (bench/NOTES.md 32: 1.15x the hf backend on an H100 before section 33's server changes):
 
     PYTHONPATH=$PWD python3 bench/serve_lm_eval.py --shape 7b --questions 2000 --out $OUT/serve_lm_eval_7b.json
 

@@ -46,7 +46,7 @@ from duoka.serve.api_logprobs import (
 from duoka.serve.api_requests import Prepared, PreparedPrompt, duoka_message
 from duoka.serve.async_engine import AsyncEngine, EngineError, RequestStream, ServerBusy
 from duoka.serve.params import RequestOutput, TokenLogprob
-from duoka.serve.protocol import ApiError, CommonRequest, error_body, usage_body
+from duoka.serve.protocol import ApiError, CommonRequest, error_body, json_response, usage_body
 from duoka.serve.tool_calls import ToolCallStream, parse_tool_calls
 
 
@@ -158,7 +158,7 @@ class Responder:
                                                            shown[i // prepared.n], name)
                                    for i, (text, outputs) in enumerate(collected)]
         response["usage"] = usage_body([outputs[-1] for _, outputs in collected], prepared.n)
-        return response
+        return json_response(response)
 
     def _completion_choice(self, index: int, text: str, outputs: list[RequestOutput], want_logprobs: bool,
                            prepared: Prepared, shown: PromptShown, name: TokenName) -> dict[str, Any]:

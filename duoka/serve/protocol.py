@@ -22,7 +22,8 @@ import math
 from typing import Any, Literal
 
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+import pydantic_core
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from duoka.serve.params import MAX_LOGPROBS, RequestOutput
@@ -36,6 +37,15 @@ MAX_BODY_BYTES = 16 * 2**20
 # The most choices one request may ask for: each is a sequence of its own in the batch, so n
 # multiplies a request's share of the engine (OpenAI allows 128; vLLM sets no bound).
 MAX_CHOICES = 16
+
+
+def json_response(body: dict) -> Response:
+    """A whole response body as compact UTF-8 JSON, serialised by pydantic-core (Rust) and
+    handed to Starlette as bytes: returning the dict would send it through FastAPI's
+    jsonable_encoder and json.dumps, which took ~45% of the server's CPU on an echo-logprobs
+    scoring workload (lm-eval; bench/NOTES.md 33). Non-finite floats, which the API guards
+    (protocol.finite), would be null here rather than invalid JSON."""
+    return Response(pydantic_core.to_json(body, inf_nan_mode="null"), media_type="application/json")
 
 
 # ---------------------------------------------------------------- errors
