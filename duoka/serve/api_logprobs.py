@@ -12,8 +12,9 @@ second overwriting the first.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from duoka.serve.logprob_columns import PromptLogprobColumns
 from duoka.serve.params import TokenLogprob
 from duoka.serve.protocol import finite
 
@@ -60,7 +61,23 @@ def completion_logprobs(tokens: Tokens, name: TokenName, offset: int) -> dict:
     return {"tokens": names, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
-def echoed(prompt_ids: list[int], prompt_logprobs: list[TokenLogprob | None] | None) -> Tokens:
+def echoed_logprobs(prompt_ids: list[int], prompt_logprobs: Sequence[TokenLogprob | None] | None,
+                    name: TokenName) -> dict:
+    """completion_logprobs of an echoed prompt: from the columns when the entries came packed
+    from the engine process (the same lists, without an object per entry), else entry by entry."""
+    if isinstance(prompt_logprobs, PromptLogprobColumns):
+        return prompt_logprobs.completion_lists(prompt_ids, name)
+    return completion_logprobs(echoed(prompt_ids, prompt_logprobs), name, 0)
+
+
+def joined(head: dict, tokens: Tokens, name: TokenName) -> dict:
+    """head (completion_logprobs' four lists) followed by tokens' own, their offsets continuing."""
+    offset = head["text_offset"][-1] + len(head["tokens"][-1]) if head["tokens"] else 0
+    tail = completion_logprobs(tokens, name, offset)
+    return {key: head[key] + tail[key] for key in head}
+
+
+def echoed(prompt_ids: list[int], prompt_logprobs: Sequence[TokenLogprob | None] | None) -> Tokens:
     """A prompt's (token id, entry) pairs for completion_logprobs; without entries, all None."""
     entries = prompt_logprobs if prompt_logprobs is not None else [None] * len(prompt_ids)
     return list(zip(prompt_ids, entries))
@@ -70,7 +87,7 @@ def generated(entries: list[TokenLogprob]) -> Tokens:
     return [(lp.token_id, lp) for lp in entries]
 
 
-def vllm_prompt_logprobs(prompt_logprobs: list[TokenLogprob | None] | None,
+def vllm_prompt_logprobs(prompt_logprobs: Sequence[TokenLogprob | None] | None,
                          name: TokenName) -> list[dict | None] | None:
     """vLLM's prompt_logprobs: per prompt token, null for the first, else {token id: {logprob,
     rank, decoded_token}} holding the prompt's token and the k most likely (ranks 1..k)."""

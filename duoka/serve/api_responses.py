@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from functools import lru_cache
 from typing import Any
 
@@ -39,7 +39,9 @@ from duoka.serve.api_logprobs import (
     chat_logprobs,
     completion_logprobs,
     echoed,
+    echoed_logprobs,
     generated,
+    joined,
     token_id_name,
     vllm_prompt_logprobs,
 )
@@ -70,7 +72,7 @@ class PromptShown:
     def __init__(self, prompt: PreparedPrompt):
         self.ids = prompt.prompt_ids
         self.text = prompt.echo_text or ""
-        self.logprobs: list[TokenLogprob | None] | None = None
+        self.logprobs: Sequence[TokenLogprob | None] | None = None
 
     def seen(self, out: RequestOutput) -> None:
         if out.prompt_logprobs is not None:
@@ -163,11 +165,14 @@ class Responder:
     def _completion_choice(self, index: int, text: str, outputs: list[RequestOutput], want_logprobs: bool,
                            prepared: Prepared, shown: PromptShown, name: TokenName) -> dict[str, Any]:
         tokens = generated([lp for out in outputs for lp in (out.new_logprobs or [])])
+        logprobs = None
         if prepared.echo:
-            text, tokens = shown.text + text, shown.tokens() + tokens
-        choice = {"index": index, "text": text,
-                  "logprobs": completion_logprobs(tokens, name, 0) if want_logprobs else None,
-                  "finish_reason": outputs[-1].finish_reason}
+            text = shown.text + text
+            if want_logprobs:
+                logprobs = joined(echoed_logprobs(shown.ids, shown.logprobs, name), tokens, name)
+        elif want_logprobs:
+            logprobs = completion_logprobs(tokens, name, 0)
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": outputs[-1].finish_reason}
         if prepared.show_prompt_logprobs:  # vLLM's, per choice
             choice["prompt_logprobs"] = vllm_prompt_logprobs(shown.logprobs, name)
         return choice

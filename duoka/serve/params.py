@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from duoka.errors import DuokaError
@@ -278,6 +279,7 @@ class RequestOutput:
     """Total so far: tokens up to and including a stop token id; the text is cut at a stop string."""
     num_cached_tokens: int
     """Prompt tokens served from the prefix cache."""
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: Sequence[TokenLogprob | None] | None = None
     """With SamplingParams.prompt_logprobs, on the request's first output only: one entry per
-    prompt token, None for the first (nothing comes before it)."""
+    prompt token, None for the first (nothing comes before it). A list, or from the engine
+    process columns that read as one (serve/logprob_columns.py)."""

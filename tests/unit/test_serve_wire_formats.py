@@ -5,6 +5,10 @@ import json
 import math
 import pickle
 
+import pytest
+
+from duoka.serve.api_logprobs import completion_logprobs, echoed, echoed_logprobs, joined
+from duoka.serve.logprob_columns import PromptLogprobColumns
 from duoka.serve.params import TokenLogprob
 from duoka.serve.protocol import LOGPROB_FLOOR, json_response
 
@@ -30,3 +34,33 @@ def test_token_logprobs_pickle_to_equal_entries():
     entries = [TokenLogprob(7, -0.5, [(7, -0.5), (3, -1.75)], 1), TokenLogprob(9, -2.0, [], None)]
     back = pickle.loads(pickle.dumps(entries))
     assert back == entries and all(type(e) is TokenLogprob for e in back)
+
+
+def _prompt_entries(k: int) -> list:
+    """[None, entries...] as the engine makes them, with a non-finite value and two ids of one name."""
+    return [None, TokenLogprob(5, -0.25, [(5, -0.25), (6, -1.5), (7, -2.0)][:k], 1),
+            TokenLogprob(6, -math.inf, [(5, -0.125), (7, -0.5), (6, -math.inf)][:k], 151_000),
+            TokenLogprob(7, -3.0000001e-5, [(8, -1e-9), (5, -4.0), (7, -3.0000001e-5)][:k], 2)]
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_prompt_logprob_columns_read_as_the_entries_they_pack(k):
+    entries = _prompt_entries(k)
+    columns = PromptLogprobColumns.pack(entries)
+    back = pickle.loads(pickle.dumps(columns))
+    assert list(back) == entries and back == entries and len(back) == 4
+    assert back[0] is None and back[-1] == entries[-1] and back[1:3] == entries[1:3]
+    # The completions API's lists from the columns equal those written entry by entry (the
+    # name function makes ids 5 and 8 one text: a later top entry overwrites, in both).
+    prompt_ids = [9, 5, 6, 7]
+    name = {5: "a", 6: "bb", 7: "\ufffd", 8: "a", 9: "Q"}.__getitem__
+    assert echoed_logprobs(prompt_ids, back, name) == completion_logprobs(echoed(prompt_ids, entries), name, 0)
+    generated = [(11, TokenLogprob(11, -0.5, [(11, -0.5)]))]
+    name2 = {**{5: "a", 6: "bb", 7: "\ufffd", 8: "a", 9: "Q"}, 11: "end"}.__getitem__
+    assert joined(echoed_logprobs(prompt_ids, back, name2), generated, name2) == \
+        completion_logprobs(echoed(prompt_ids, entries) + generated, name2, 0)
+
+
+def test_columns_refuse_what_is_not_a_prompts_entries():
+    with pytest.raises(ValueError, match="first token alone"):
+        PromptLogprobColumns.pack(_prompt_entries(1)[1:])

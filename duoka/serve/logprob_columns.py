@@ -1,0 +1,97 @@
+"""A request's prompt logprobs as columns of numbers, for the way from the engine process to the
+server: a scoring request (lm-eval's echo with logprobs) has an entry per prompt token, and as
+TokenLogprob objects they were half of the server's CPU to unpickle and a quarter of the
+engine process's to pickle (bench/NOTES.md 35). As arrays they cross the pipe as a few buffers;
+the server writes the completions API's lists from the columns without building the objects.
+
+The columns hold exactly the entries' values: token ids and ranks as int64, logprobs as float64
+(each one an fp32 value widened, as TokenLogprob holds it), so list(columns) equals the list
+they were packed from.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from duoka.serve.params import TokenLogprob
+from duoka.serve.protocol import LOGPROB_FLOOR
+
+NO_RANK = -1  # a rank of None (sampled tokens have none; prompt entries always do)
+
+
+@dataclass(eq=False)
+class PromptLogprobColumns(Sequence):
+    """[None, entry 1, ..., entry P-1] of one prompt (the first token has no entry), by columns:
+    entry i's top alternatives are top_ids/top_values[starts[i - 1]:starts[i]]."""
+    token_ids: np.ndarray  # int64 [P - 1]
+    logprobs: np.ndarray  # float64 [P - 1]
+    ranks: np.ndarray  # int64 [P - 1], NO_RANK for None
+    starts: np.ndarray  # int64 [P]: offsets into the top columns, starts[0] = 0
+    top_ids: np.ndarray  # int64 [sum of the entries' top lengths]
+    top_values: np.ndarray  # float64, likewise
+
+    @classmethod
+    def pack(cls, entries: list[TokenLogprob | None]) -> PromptLogprobColumns:
+        if not entries or entries[0] is not None or any(e is None for e in entries[1:]):
+            raise ValueError("prompt logprobs are [None, entry, ...]: the first token alone has no entry")
+        body = entries[1:]
+        n = len(body)
+        tops = [pair for e in body for pair in e.top]
+        return cls(np.fromiter((e.token_id for e in body), np.int64, n),
+                   np.fromiter((e.logprob for e in body), np.float64, n),
+                   np.fromiter((NO_RANK if e.rank is None else e.rank for e in body), np.int64, n),
+                   np.concatenate(([0], np.cumsum(np.fromiter((len(e.top) for e in body), np.int64, n)))),
+                   np.fromiter((t for t, _ in tops), np.int64, len(tops)),
+                   np.fromiter((v for _, v in tops), np.float64, len(tops)))
+
+    def __len__(self) -> int:
+        return len(self.token_ids) + 1
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return list(self)[i]
+        i = range(len(self))[i]  # negative indices, and IndexError past the end
+        if i == 0:
+            return None
+        j = i - 1
+        a, b = int(self.starts[j]), int(self.starts[j + 1])
+        rank = int(self.ranks[j])
+        return TokenLogprob(int(self.token_ids[j]), float(self.logprobs[j]),
+                            list(zip(self.top_ids[a:b].tolist(), self.top_values[a:b].tolist())),
+                            None if rank == NO_RANK else rank)
+
+    def __iter__(self) -> Iterator[TokenLogprob | None]:
+        return iter(self.entries())
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    def entries(self) -> list[TokenLogprob | None]:
+        """The entries as TokenLogprob objects (what was packed)."""
+        ids, lps, ranks = self.token_ids.tolist(), self.logprobs.tolist(), self.ranks.tolist()
+        pairs = list(zip(self.top_ids.tolist(), self.top_values.tolist()))
+        starts = self.starts.tolist()
+        return [None] + [TokenLogprob(t, lp, pairs[starts[j]:starts[j + 1]], None if r == NO_RANK else r)
+                         for j, (t, lp, r) in enumerate(zip(ids, lps, ranks))]
+
+    def completion_lists(self, prompt_ids: list[int], name: Callable[[int], str]) -> dict:
+        """api_logprobs.completion_logprobs(echoed(prompt_ids, self), name, 0), written from the
+        columns: the same four lists, value for value."""
+        names = [name(t) for t in prompt_ids]
+        offsets, offset = [], 0
+        for text in names:
+            offsets.append(offset)
+            offset += len(text)
+        values = np.where(np.isfinite(self.logprobs), self.logprobs, LOGPROB_FLOOR).tolist()
+        top_values = np.where(np.isfinite(self.top_values), self.top_values, LOGPROB_FLOOR).tolist()
+        top_names = [name(t) for t in self.top_ids.tolist()]
+        starts = self.starts.tolist()
+        tops: list[dict | None] = [None]
+        for j, value in enumerate(values):
+            top = dict(zip(top_names[starts[j]:starts[j + 1]], top_values[starts[j]:starts[j + 1]]))
+            top.setdefault(names[j + 1], value)  # the token itself is always listed, as vLLM does
+            tops.append(top)
+        return {"tokens": names, "token_logprobs": [None, *values], "top_logprobs": tops, "text_offset": offsets}
