@@ -1,6 +1,6 @@
 """A request's prompt logprobs as columns of numbers, for the way from the engine process to the
 server: a scoring request (lm-eval's echo with logprobs) has an entry per prompt token, and as
-TokenLogprob objects they were half of the server's CPU to unpickle and a quarter of the
+TokenLogprob objects they were half of the server's CPU to unpickle and a tenth of the
 engine process's to pickle (bench/NOTES.md 35). As arrays they cross the pipe as a few buffers;
 the server writes the completions API's lists from the columns without building the objects.
 
