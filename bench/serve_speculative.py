@@ -35,8 +35,11 @@ included) is back before the next one starts:
 2. spec: the engine with the draft (--num-speculative-tokens = the largest K; a run with a
    smaller K proposes fewer, which costs what that K costs). Batch 1 for each p in --p and K in
    --k; the batch sweep at --sweep-p and --sweep-k (where speculation starts to lose: the
-   default of --speculative-disable-by-batch-size); the workload at the same p and K with the
-   default switch-off and with speculation always on.
+   default of --speculative-disable-by-batch-size); the workload at the same p and K with
+   speculation always on.
+3. switch (with --requests): the workload again, with the default switch-off. Its own process:
+   an engine deleted inside one process left its memory taken (NOTES 36: the second engine got
+   a tenth of the cache, which made the first run of this part meaningless).
 
 Writes --out/serve_speculative_SHAPE.json: each part's figures (tokens/s, acceptance rate,
 mean acceptance length and its expectation (1 - p^(K+1)) / (1 - p) at p), and `speedup`:
@@ -47,7 +50,6 @@ Device kind nvidia-h100-x1 or nvidia-h200; .wheels carried (httpx2, for the prom
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import subprocess
 import sys
@@ -266,6 +268,12 @@ def spec_part(a: argparse.Namespace, target: Path, draft: Path, sets: dict, pi: 
     def check(name: str, result: dict, p: float, k: int) -> None:
         save(name, {**result, **expected(p, k), "matches_plain": matches(result, references)})
 
+    if a.part == "switch":  # its own process: a deleted engine's GPU memory is not all given back
+        engine = engine_for(DEFAULT_SPECULATIVE_MAX_BATCH)
+        agreement.p, agreement.k = a.sweep_p, a.sweep_k
+        run(engine, sets["warm"], 16, pi)
+        check("workload_default_switch_off", run(engine, sets["workload"], a.out_len, pi), a.sweep_p, a.sweep_k)
+        return
     engine = engine_for(a.max_num_seqs)  # always on: the sweep finds where it loses
     agreement.p, agreement.k = 0.8, max(a.k)
     run(engine, sets["warm"], 16, pi)
@@ -279,13 +287,6 @@ def spec_part(a: argparse.Namespace, target: Path, draft: Path, sets: dict, pi: 
         check(f"sweep{b}", run(engine, sets[f"sweep{b}"], a.sweep_len, pi), a.sweep_p, a.sweep_k)
     if a.requests:
         check("workload_always_on", run(engine, sets["workload"], a.out_len, pi), a.sweep_p, a.sweep_k)
-        del engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        engine = engine_for(DEFAULT_SPECULATIVE_MAX_BATCH)
-        run(engine, sets["warm"], 16, pi)
-        check("workload_default_switch_off", run(engine, sets["workload"], a.out_len, pi), a.sweep_p, a.sweep_k)
 
 
 def median(runs: list[dict]) -> dict:
@@ -367,7 +368,7 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--part-timeout", type=int, default=900, help="seconds for each part")
-    ap.add_argument("--part", choices=("plain", "spec"), help=argparse.SUPPRESS)
+    ap.add_argument("--part", choices=("plain", "spec", "switch"), help=argparse.SUPPRESS)
     ap.add_argument("--part-out", help=argparse.SUPPRESS)
     ap.add_argument("--references", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -379,10 +380,10 @@ def main() -> None:
     folders(a.shape, Path(a.root))  # written once here, read by both parts
     result = {"command": " ".join(sys.argv), "shape": a.shape, "draft_shape": DRAFTS[a.shape][0]}
     parts = {}
-    for part in ("plain", "spec"):
+    for part in ("plain", "spec", "switch") if a.requests else ("plain", "spec"):
         part_out = out_dir / f"part_{a.shape}_{part}.json"
         cmd = [sys.executable, __file__, *sys.argv[1:], "--part", part, "--part-out", str(part_out)]
-        if part == "spec":
+        if part != "plain":
             cmd += ["--references", str(out_dir / f"part_{a.shape}_plain.json")]
         t = time.perf_counter()
         try:
@@ -396,7 +397,7 @@ def main() -> None:
         result[part]["wall_s"] = time.perf_counter() - t
         if error:
             result[part]["error"] = error
-    result["speedup"] = summary(parts["plain"], parts["spec"], a)
+    result["speedup"] = summary(parts["plain"], {**parts["spec"], **parts.get("switch", {})}, a)
     path = out_dir / f"serve_speculative_{a.shape}.json"
     path.write_text(json.dumps(result, indent=1))
     print(json.dumps(result["speedup"], indent=1))
