@@ -77,3 +77,26 @@ def test_logits_only_at_the_asked_rows():
     logits = model(tokens[None], positions=torch.arange(8), paged=batch)
     assert logits.shape == (1, model.args.vocab_size)
     torch.testing.assert_close(logits[0], model(tokens[None])[0, -1], atol=2e-5, rtol=1e-4)
+
+
+def test_the_prefill_gather_index_reads_each_chunks_context_in_order():
+    """The cuda backend's per-step index (made once, read by every layer): the chunks' query and
+    context offsets, then each context token's slot through its table, position by position."""
+    from duoka.models.qwen2.paged import prefill_gather_index
+
+    rng = random.Random(1)
+    free = list(range(64))
+    rng.shuffle(free)
+    # Two decodes, then three prefill chunks of (context, new tokens).
+    contexts, news = [9, 30, 17, 5, 40], [1, 1, 6, 5, 12]
+    tables = [[free.pop() for _ in range(-(-c // BLOCK))] for c in contexts]
+    width = max(map(len, tables))
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    query_start = torch.tensor([0, *torch.tensor(news).cumsum(0).tolist()], dtype=torch.int32)
+    index = prefill_gather_index(block_tables, torch.tensor(contexts, dtype=torch.int32), query_start, 2,
+                                 sum(contexts[2:]), BLOCK)
+    assert index.dtype == torch.int32
+    want_q = [0, 6, 11, 23]
+    want_k = [0, 17, 22, 62]
+    want_slots = [tables[i][p // BLOCK] * BLOCK + p % BLOCK for i in (2, 3, 4) for p in range(contexts[i])]
+    assert index.tolist() == want_q + want_k + want_slots

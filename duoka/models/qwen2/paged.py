@@ -57,11 +57,17 @@ class PagedBatch:
     # logits, for a head run slice by slice outside it (prompt logprobs: a long prefill chunk
     # would otherwise materialise P x vocab). None: logits only.
     hidden_indices: torch.Tensor | None = None
+    # For the cuda backend's prefill chunks: prefill_gather_index's int32 offsets and slots, the
+    # same for every layer, so made once a step (for_layer's copies share it), not by each layer.
+    prefill_index: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.sizes is None:
             self.sizes = torch.tensor([self.max_query_len, self.num_decodes, self.decode_splits, self.prefill_context,
                                        self.max_context_len])
+        if self.prefill_index is None and self.backend == "cuda" and self.num_decodes < len(self.context_lens):
+            self.prefill_index = prefill_gather_index(self.block_tables, self.context_lens, self.query_start,
+                                                      self.num_decodes, self.prefill_context, self.block_size)
 
     @property
     def block_size(self) -> int:
@@ -137,21 +143,32 @@ def causal_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch
     return varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs)
 
 
-def gathered_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
-    """The prefill chunks (the sequences after the decodes): each one's whole context
-    gathered from its blocks on the device, then causal flash attention."""
-    first = batch.num_decodes
-    tables, context = batch.block_tables[first:], batch.context_lens[first:]
-    cu_q = batch.query_start[first:] - batch.query_start[first]
+def prefill_gather_index(block_tables: torch.Tensor, context_lens: torch.Tensor, query_start: torch.Tensor,
+                         num_decodes: int, prefill_context: int, block_size: int) -> torch.Tensor:
+    """For the P prefill chunks (the sequences after the decodes), one int32 tensor of
+    [P + 1 query offsets | P + 1 context offsets | each context token's cache slot], in
+    gathered_prefill's order: every sequence's whole context, position by position."""
+    first = num_decodes
+    tables, context = block_tables[first:], context_lens[first:]
+    cu_q = query_start[first:] - query_start[first]
     cu_k = F.pad(context.cumsum(0, dtype=torch.int32), (1, 0))
-    total = batch.prefill_context
-    seq = torch.repeat_interleave(torch.arange(len(context), device=q.device), context.long(), output_size=total)
-    pos = torch.arange(total, device=q.device) - cu_k[seq]
-    block_size, kv_heads, head_dim = k_cache.shape[1:]
-    slots = tables[seq, pos // block_size].long() * block_size + pos % block_size
+    seq = torch.repeat_interleave(torch.arange(len(context), device=context.device), context.long(),
+                                  output_size=prefill_context)
+    pos = torch.arange(prefill_context, device=context.device) - cu_k[seq]
+    slots = tables[seq, pos // block_size] * block_size + pos % block_size
+    return torch.cat([cu_q.int(), cu_k, slots.int()])
+
+
+def gathered_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, prefill_index: torch.Tensor,
+                     num_chunks: int, max_query_len: int, max_context_len: int) -> torch.Tensor:
+    """The prefill chunks: each one's whole context gathered from its blocks on the device (the
+    slots of prefill_gather_index), then causal flash attention."""
+    n = num_chunks + 1
+    cu_q, cu_k, slots = prefill_index[:n], prefill_index[n:2 * n], prefill_index[2 * n:]
+    kv_heads, head_dim = k_cache.shape[2:]
     keys = k_cache.view(-1, kv_heads, head_dim)[slots]
     values = v_cache.view(-1, kv_heads, head_dim)[slots]
-    return causal_varlen(q, keys, values, cu_q, cu_k, batch.max_query_len, batch.max_context_len)
+    return causal_varlen(q, keys, values, cu_q, cu_k, max_query_len, max_context_len)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: PagedBatch) -> torch.Tensor:
@@ -163,33 +180,41 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Pa
     reach the kernels in one host tensor (PagedBatch.sizes)."""
     return torch.ops.duoka.paged_attention(
         q, k, v, batch.k_caches[0], batch.v_caches[0], batch.slot_mapping, batch.block_tables,
-        batch.context_lens, batch.query_start, batch.sizes, batch.backend)
+        batch.context_lens, batch.query_start, batch.sizes, batch.prefill_index, batch.backend)
 
 
+# The operator's body runs once per layer of every eager step, on the host's critical path (a
+# 7B step's 28 calls were ~11 ms of its CPU, bench/NOTES.md 36): it builds no objects and
+# computes nothing that is the same for every layer (PagedBatch.prefill_index).
 @torch.library.custom_op("duoka::paged_attention", mutates_args=("k_cache", "v_cache"))
 def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                         context_lens: torch.Tensor, query_start: torch.Tensor, sizes: torch.Tensor,
-                        backend: str) -> torch.Tensor:
+                        prefill_index: torch.Tensor | None, backend: str) -> torch.Tensor:
     max_query_len, num_decodes, decode_splits, prefill_context, max_context_len = sizes.tolist()
-    batch = PagedBatch([k_cache], [v_cache], slot_mapping, block_tables, context_lens, query_start, max_query_len,
-                       slot_mapping[:0], backend, num_decodes, decode_splits, prefill_context, max_context_len, sizes)
-    store = write_kv if backend == "reference" else paged_decode.write_kv
-    store(k_cache, v_cache, k[0].transpose(0, 1), v[0].transpose(0, 1), slot_mapping)
     q = q[0].transpose(0, 1)  # [T, heads, head_dim]
     if backend == "reference":
+        write_kv(k_cache, v_cache, k[0].transpose(0, 1), v[0].transpose(0, 1), slot_mapping)
+        batch = PagedBatch([k_cache], [v_cache], slot_mapping, block_tables, context_lens, query_start, max_query_len,
+                           slot_mapping[:0], backend, num_decodes, decode_splits, prefill_context, max_context_len,
+                           sizes)
         out = reference_attention(q, k_cache, v_cache, batch)
-    else:
-        n = num_decodes
-        parts = []
-        if n:
-            parts.append(paged_decode.decode_attention(q[:n], k_cache, v_cache, block_tables[:n], context_lens[:n], decode_splits))
-        if n < q.shape[0]:
-            parts.append(gathered_prefill(q[n:].contiguous(), k_cache, v_cache, batch))
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out.reshape(1, out.shape[0], -1)
+    paged_decode.write_kv(k_cache, v_cache, k[0].transpose(0, 1), v[0].transpose(0, 1), slot_mapping)
+    n = num_decodes
+    decoded = None
+    if n:
+        decoded = paged_decode.decode_attention(q[:n], k_cache, v_cache, block_tables[:n], context_lens[:n],
+                                                decode_splits)
+        if n == q.shape[0]:
+            return decoded.reshape(1, n, -1)
+    assert prefill_index is not None, "the cuda backend's PagedBatch makes prefill_index for its prefill chunks"
+    prefilled = gathered_prefill(q[n:].contiguous(), k_cache, v_cache, prefill_index, len(context_lens) - n,
+                                 max_query_len, max_context_len)
+    out = prefilled if decoded is None else torch.cat([decoded, prefilled])
     return out.reshape(1, out.shape[0], -1)
 
 
 @_paged_attention_op.register_fake
-def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, query_start, sizes, backend):
+def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, query_start, sizes, prefill_index, backend):
     return q.new_empty(1, q.shape[2], q.shape[1] * q.shape[3])
