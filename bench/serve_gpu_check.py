@@ -3,8 +3,9 @@
     python bench/serve_gpu_check.py --out $OUT/serve_gpu_check.json [--shape 0.5b]
 
 1. The cuda attention backend (Triton cache write, decode and merge kernels, flash varlen
-   prefill) against the reference kernel (outputs; caches to the last bit) on random paged batches of mixed decodes and prefill chunks, bf16,
-   for the 7B, 1.5B and 0.5B head layouts and several context splits.
+   prefill) and the mixed one (paged_mixed's kernel for every row) against the reference
+   kernel (outputs; caches to the last bit) on random paged batches of mixed decodes and
+   prefill chunks, bf16, for the 7B, 1.5B and 0.5B head layouts and several context splits.
 2. Teacher-forced logits of a random Qwen2 of the given shape (bf16): a prefill of B
    prompts, then decode steps of given tokens, run by the ModelRunner as the engine runs
    them (uncompiled eager; compiled blocks eager; compiled blocks + CUDA graphs; the
@@ -49,7 +50,9 @@ from duoka.serve.runner import CacheShape, ModelRunner, StepInputs  # noqa: E402
 
 
 def kernel_check(heads: int, kv_heads: int, head_dim: int, splits: int, seed: int) -> tuple[float, float]:
-    """(largest output difference, largest cache difference) of the two backends."""
+    """(largest output difference, largest cache difference) of the cuda backend against the
+    reference, and the largest output difference of the mixed backend (every row through
+    paged_mixed's kernel, as a mixed step's CUDA graph runs it) against the reference."""
     g = torch.Generator(device="cuda").manual_seed(seed)
     rng = random.Random(seed)
     block, num_blocks = 16, 4096
@@ -86,14 +89,14 @@ def kernel_check(heads: int, kv_heads: int, head_dim: int, splits: int, seed: in
                   query_start=torch.tensor(starts, dtype=torch.int32, device="cuda"), max_query_len=max(q_lens),
                   logits_indices=torch.arange(total, device="cuda"))
     outs, caches = [], []
-    for backend in ("reference", "cuda"):
+    for backend in ("reference", "cuda", "mixed"):
         batch = PagedBatch([k_cache.clone()], [v_cache.clone()], backend=backend, num_decodes=len(decodes),
                            decode_splits=splits, prefill_context=sum(context[len(decodes):]),
                            max_context_len=max(context), **common)
         outs.append(paged_attention(q, k, v, batch).float())
         caches.append((batch.k_caches[0], batch.v_caches[0]))
-    cache_diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(*caches))
-    return (outs[0] - outs[1]).abs().max().item(), cache_diff
+    cache_diff = max((a.float() - b.float()).abs().max().item() for a, b in zip(*caches[:2]))
+    return (outs[0] - outs[1]).abs().max().item(), cache_diff, (outs[0] - outs[2]).abs().max().item()
 
 
 def forced_logits(folder: Path, options: ModelOptions, cuda_graphs: bool, tp_hooks: bool,
@@ -173,6 +176,7 @@ def main() -> None:
             checks = [kernel_check(heads, kv, dim, splits, s) for s in range(3)]
             errors[f"{heads}h{kv}kv{dim}d/splits{splits}"] = max(c[0] for c in checks)
             errors[f"{heads}h{kv}kv{dim}d/splits{splits}/cache"] = max(c[1] for c in checks)  # must be 0
+            errors[f"{heads}h{kv}kv{dim}d/splits{splits}/mixed"] = max(c[2] for c in checks)
     results["kernel_max_abs_error_vs_reference"] = errors
     print(json.dumps(errors), flush=True)
     save()

@@ -8,13 +8,14 @@ prompt tokens beside decodes at 512 made TTFT and ITL worse on an H100, so a ste
         --repeats 3  # CPU smoke run
 
 The model is a random one of the shape (`--load-format dummy`, config-only folder of
-bench/serve_models.py), served as `duoka serve --max-model-len 4096` serves it: a Worker
-(the engine's model side: compiled blocks, paged cache, CUDA graphs for decode batches,
-sampler). Each composition is a list of ScheduledItems over sequences whose block tables are
-set here (disjoint blocks of the worker's cache; the cached tokens' K/V are whatever the cache
-holds, which attention's cost does not depend on), turned into StepInputs by the engine's
-prepare_inputs, run by Worker.execute (a decode-only step replays its CUDA graph; any step
-with a chunk runs eagerly, as in the engine) and sampled greedily by Worker.sample.
+bench/serve_models.py), served as `duoka serve --max-model-len 4096` serves it: a Worker (the
+engine's model side: compiled blocks, paged cache, CUDA graphs, sampler). Each composition is
+a list of ScheduledItems over sequences whose block tables are set here (disjoint blocks of
+the worker's cache; the cached tokens' K/V are whatever the cache holds, which attention's
+cost does not depend on), turned into StepInputs by the engine's prepare_inputs, run by
+Worker.execute (a decode-only step replays its decode graph, a step with a chunk of up to
+2,048 tokens in all its mixed-step graph, a larger one runs eagerly, as in the engine) and
+sampled greedily by Worker.sample.
 
 For each composition, after --warmup untimed steps (the first one's time kept: a compile or
 recompile shows there): the whole step (prepare, execute, sample; synchronised at its end)
@@ -177,7 +178,7 @@ def _prepare_ms(items: list[ScheduledItem], block_size: int, n: int = 5) -> floa
 # and the paged decode kernel, inductor's fused Triton kernels, PyTorch's own elementwise ones).
 # On CPU the same patterns sort the aten operators. First match wins.
 KERNEL_KINDS = (("matmul", r"gemm|cutlass|nvjet|sm90_|sm80_|matmul|splitk|aten::(add|b)?mm$"),
-                ("attention", r"flash|fmha|attn|attention|_decode_kernel|_merge_kernel|_write_kv"),
+                ("attention", r"flash|fmha|attn|attention|_decode_kernel|_merge_kernel|_write_kv|_mixed_kernel"),
                 ("triton", r"^triton"), ("copy_index", r"copy|index|gather|scatter|cat|fill"))
 
 
@@ -266,6 +267,7 @@ def main() -> None:
               "device": torch.cuda.get_device_name(worker.device) if cuda else "cpu",
               "dtype": str(worker.dtype).removeprefix("torch."), "load_s": load_s,
               "cuda_graph_buckets": sorted(getattr(worker.runner, "graphs", {})),
+              "mixed_graph_tokens": sorted(getattr(worker.runner, "mixed_graphs", {})),
               "decode_context": a.decode_context, "compositions": {}}
     blocks = Blocks(worker.shape.num_blocks, worker.shape.block_size)
     out = Path(a.out)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from duoka.errors import DuokaError
-from duoka.models import paged_decode
+from duoka.models import paged_decode, paged_mixed
 from duoka.models.qwen2.model import Qwen2
 from duoka.models.qwen2.multi_lora import adapter_ids_of
 from duoka.models.qwen2.paged import PagedBatch
@@ -261,6 +261,10 @@ def available_kv_bytes(device: torch.device, gpu_memory_utilization: float, kv_c
 # Decode batch sizes replayed from CUDA graphs; a step of n decodes runs the smallest
 # bucket >= n with padding rows (vLLM's and nano-vllm's choice of sizes).
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+# Token counts of the mixed steps (prefill chunks beside decodes) replayed from CUDA graphs, up
+# to the step budget: eagerly such a step is bound by the host (a 7B's 28 layers ~35-45 ms
+# whatever its size, bench/NOTES.md 31), while a larger one keeps the GPU busy by itself.
+MIXED_GRAPH_TOKENS = (512, 1024, 2048)
 
 
 class ModelRunner:
@@ -270,7 +274,7 @@ class ModelRunner:
     CUDA graph's padding rows write their keys and values into."""
 
     def __init__(self, model: Qwen2, shape: CacheShape, device: torch.device, max_model_len: int,
-                 max_num_seqs: int = 256, cuda_graphs: bool = True):
+                 max_num_seqs: int = 256, cuda_graphs: bool = True, max_num_batched_tokens: int = 8192):
         self.model = model
         self.shape = shape
         self.device = device
@@ -282,12 +286,15 @@ class ModelRunner:
         self.backend = "cuda" if fast else "reference"
         self.max_blocks = -(-max_model_len // shape.block_size)
         self.max_model_len = max_model_len
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # by decodes
+        self.mixed_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # by tokens
         # Served LoRA adapters (duoka.models.qwen2.multi_lora): the per-token slots every
         # adapted projection reads, set before each forward. None without --lora.
         self.adapter_ids = adapter_ids_of(model)
         if cuda_graphs and self.backend == "cuda":
-            self._capture([b for b in GRAPH_BUCKETS if b <= max_num_seqs] or [1])
+            tokens = sorted({min(t, max_num_batched_tokens) for t in MIXED_GRAPH_TOKENS} if paged_mixed.available()
+                            else set())
+            self._capture([b for b in GRAPH_BUCKETS if b <= max_num_seqs] or [1], tokens)
             save_tuned_configs()  # what the warm-up tuned (FP8's small-batch kernel): kept for the next start
 
     def _batch(self, x: StepInputs, splits: int) -> PagedBatch:
@@ -303,6 +310,9 @@ class ModelRunner:
         # chunk of one token inside a prompt) runs eagerly.
         if self.graphs and inputs.num_decodes == n and len(inputs.logits_indices) == n and n <= max(self.graphs):
             return self._replay(inputs)
+        if self.mixed_graphs and len(inputs.token_ids) <= max(self.mixed_graphs) and \
+                max(n, len(inputs.logits_indices)) <= len(self._mixed.context_lens):
+            return self._replay_mixed(inputs)
         return self._eager(inputs, None).float()
 
     @torch.inference_mode()
@@ -336,10 +346,12 @@ class ModelRunner:
 
     # ---------------------------------------------------------------- CUDA graphs
     @torch.inference_mode()
-    def _capture(self, buckets: list[int]) -> None:
-        """One graph per bucket of decode batch size, largest first, sharing one memory pool.
-        The graphs read fixed input buffers; each replay copies the step's values into them."""
+    def _capture(self, buckets: list[int], token_buckets: list[int]) -> None:
+        """One graph per bucket of decode batch size and one per bucket of a mixed step's
+        tokens, largest first, sharing one memory pool. The graphs read fixed input buffers;
+        each replay copies the step's values into them."""
         size = max(buckets)
+        pool = self._capture_mixed(token_buckets, size) if token_buckets else None
         long = dict(dtype=torch.long, device=self.device)
         self._static = StepInputs(
             token_ids=torch.zeros(size, **long), positions=torch.zeros(size, **long),
@@ -350,7 +362,6 @@ class ModelRunner:
             logits_indices=torch.arange(size, **long), max_query_len=1, num_decodes=size,
             max_context_len=self.max_model_len, prefill_context=0,
             adapter_ids=None if self.adapter_ids is None else torch.zeros(size, dtype=torch.int32, device=self.device))
-        pool = None
         for bucket in sorted(buckets, reverse=True):
             batch = self._bucket_batch(bucket)
             if self.adapter_ids is not None:  # the graph reads its slots from the static buffer
@@ -363,6 +374,64 @@ class ModelRunner:
             pool = graph.pool()
             self.graphs[bucket] = (graph, logits)
         torch.cuda.synchronize(self.device)
+
+    def _capture_mixed(self, buckets: list[int], seqs: int):
+        """The mixed steps' graphs: up to `seqs` sequences with up to a bucket's tokens in all,
+        every row's attention through the host-free kernel (PagedBatch backend "mixed"). Each
+        returns the logits of `seqs` rows (those a step asks for first). Returns the pool."""
+        size = max(buckets)
+        long = dict(dtype=torch.long, device=self.device)
+        int32 = dict(dtype=torch.int32, device=self.device)
+        self._mixed = StepInputs(
+            token_ids=torch.zeros(size, **long), positions=torch.zeros(size, **long),
+            slot_mapping=torch.full((size,), self.scratch_block * self.shape.block_size, **long),
+            block_tables=torch.full((seqs, self.max_blocks), self.scratch_block, **int32),
+            context_lens=torch.zeros(seqs, **int32), query_start=torch.zeros(seqs + 1, **int32),
+            logits_indices=torch.zeros(seqs, **long), max_query_len=size, num_decodes=0,
+            max_context_len=self.max_model_len, prefill_context=0,
+            adapter_ids=None if self.adapter_ids is None else torch.zeros(size, **int32))
+        pool = None
+        for bucket in sorted(buckets, reverse=True):
+            s = self._mixed
+            batch = PagedBatch(self.k_caches, self.v_caches, s.slot_mapping[:bucket], s.block_tables, s.context_lens,
+                               s.query_start, bucket, s.logits_indices, "mixed", 0, 1, 0, self.max_model_len)
+            if self.adapter_ids is not None:
+                self.adapter_ids.use(s.adapter_ids[:bucket])
+            tokens, positions = s.token_ids[None, :bucket], s.positions[:bucket]
+            self.model(tokens, positions=positions, paged=batch)  # compiles the kernels outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.model(tokens, positions=positions, paged=batch)  # in the model's dtype: half the memory
+            pool = graph.pool()
+            self.mixed_graphs[bucket] = (graph, logits)
+        return pool
+
+    def _replay_mixed(self, inputs: StepInputs) -> torch.Tensor:
+        """A mixed step from the smallest graph that holds its tokens: padding rows write to the
+        scratch block and belong to no sequence (their attention is zero, their logits unread);
+        padding sequences have no rows."""
+        n, b, rows = len(inputs.token_ids), len(inputs.context_lens), len(inputs.logits_indices)
+        bucket = min(t for t in self.mixed_graphs if t >= n)
+        s = self._mixed
+        x = inputs.to(self.device)
+        s.token_ids[:n].copy_(x.token_ids)
+        s.positions[:n].copy_(x.positions)
+        s.slot_mapping[:n].copy_(x.slot_mapping)
+        s.slot_mapping[n:bucket].fill_(self.scratch_block * self.shape.block_size)
+        s.block_tables[:b, :x.block_tables.shape[1]].copy_(x.block_tables)
+        s.context_lens[:b].copy_(x.context_lens)
+        s.query_start[:b + 1].copy_(x.query_start)
+        s.query_start[b + 1:].fill_(n)
+        s.logits_indices[:rows].copy_(x.logits_indices)
+        s.logits_indices[rows:].zero_()  # a stale index could lie past this bucket's rows
+        if s.adapter_ids is not None:
+            if x.adapter_ids is not None:
+                s.adapter_ids[:n].copy_(x.adapter_ids)
+            else:
+                s.adapter_ids[:n].zero_()
+        graph, logits = self.mixed_graphs[bucket]
+        graph.replay()
+        return logits[:rows].float()
 
     def _bucket_batch(self, bucket: int) -> PagedBatch:
         s = self._static

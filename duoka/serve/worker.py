@@ -65,9 +65,9 @@ class StepRunner(Protocol):
 
 
 # Builds the runner from ModelRunner's arguments (model, cache shape, device, max_model_len,
-# max_num_seqs, cuda_graphs): a benchmark of the host's work passes one whose execute
-# returns logits without running the model.
-RunnerFactory = Callable[[Qwen2, CacheShape, torch.device, int, int, bool], StepRunner]
+# max_num_seqs, cuda_graphs, max_num_batched_tokens): a benchmark of the host's work passes one
+# whose execute returns logits without running the model.
+RunnerFactory = Callable[[Qwen2, CacheShape, torch.device, int, int, bool, int], StepRunner]
 
 
 def _log(message: str) -> None:
@@ -170,10 +170,11 @@ class Worker:
         self.shape = shape
         # The CUDA graphs are captured here, with the tp all-reduces inside: on every rank alike.
         self.runner = self.runner_factory(self.model, shape, self.device, self.max_model_len, config.max_num_seqs,
-                                          config.cuda_graphs)
+                                          config.cuda_graphs, config.max_num_batched_tokens)
         if draft is not None:  # the draft's own cache, block for block the target's (the same block tables)
             self.draft_runner = ModelRunner(draft, self._draft_shape(draft, shape.num_blocks), self.device,
-                                            self.max_model_len, config.max_num_seqs, config.cuda_graphs)
+                                            self.max_model_len, config.max_num_seqs, config.cuda_graphs,
+                                            config.max_num_batched_tokens)
         quantized = f", {self.scheme.method} {self.scheme.bits}-bit projections" if self.scheme else ""
         if config.load_format == "dummy":
             quantized += ", RANDOM weights (--load-format dummy): for measuring only"

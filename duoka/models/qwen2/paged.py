@@ -7,12 +7,15 @@ tokens: prefill chunks and one-token decodes side by side. Each new token's K/V 
 written to its slot (block * block_size + offset), then each sequence's queries attend to
 its whole context through its block table.
 
-Two ways to run it, chosen by the runner for its device (PagedBatch.backend):
+Three ways to run it, chosen by the runner for its device (PagedBatch.backend):
   reference: each sequence's blocks gathered into a padded dense tensor, SDPA under an
-      explicit mask. Any device, any dtype; what the fast path is checked against.
+      explicit mask. Any device, any dtype; what the fast paths are checked against.
   cuda: the step's decodes (laid out first) through a Triton kernel that reads the blocks
       in place (duoka.models.paged_decode); its prefill chunks through flash attention
       (varlen) over their gathered contexts, whose cost is small beside the chunk's matmuls.
+  mixed: every row, decodes and chunks alike, through one Triton kernel that reads the
+      blocks in place and takes every size from device tensors (duoka.models.paged_mixed):
+      what the runner's CUDA graphs of mixed steps replay.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from duoka.models import paged_decode
+from duoka.models import paged_decode, paged_mixed
 
 
 @dataclass
@@ -41,7 +44,7 @@ class PagedBatch:
     query_start: torch.Tensor  # int32 [B + 1]
     max_query_len: int
     logits_indices: torch.Tensor  # int64 [S]: the rows whose next-token logits are wanted
-    backend: str = "reference"  # or "cuda" (see the module's docstring)
+    backend: str = "reference"  # or "cuda" or "mixed" (see the module's docstring)
     # For the cuda backend: the first num_decodes sequences are one-token decodes, their
     # contexts cut into decode_splits parts; the rest are prefill chunks whose contexts
     # hold prefill_context tokens in all, the longest max_context_len.
@@ -201,6 +204,9 @@ def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
         out = reference_attention(q, k_cache, v_cache, batch)
         return out.reshape(1, out.shape[0], -1)
     paged_decode.write_kv(k_cache, v_cache, k[0].transpose(0, 1), v[0].transpose(0, 1), slot_mapping)
+    if backend == "mixed":  # every row through the host-free kernel: a CUDA graph's mixed step
+        out = paged_mixed.mixed_attention(q, k_cache, v_cache, block_tables, context_lens, query_start)
+        return out.reshape(1, out.shape[0], -1)
     n = num_decodes
     decoded = None
     if n:
