@@ -263,8 +263,10 @@ def available_kv_bytes(device: torch.device, gpu_memory_utilization: float, kv_c
 GRAPH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 # Token counts of the mixed steps (prefill chunks beside decodes) replayed from CUDA graphs, up
 # to the step budget: eagerly such a step is bound by the host (a 7B's 28 layers ~35-45 ms
-# whatever its size, bench/NOTES.md 31), while a larger one keeps the GPU busy by itself.
-MIXED_GRAPH_TOKENS = (512, 1024, 2048)
+# whatever its size, bench/NOTES.md 31), while a larger one keeps the GPU busy by itself. Steps
+# of 256 tokens apart: a step computes its padding rows too (a 1,032-token step would cost
+# twice its work in a bucket of 2,048).
+MIXED_GRAPH_TOKENS = (128, 256, 512, 768, 1024, 1280, 1536, 1792, 2048)
 
 
 class ModelRunner:
@@ -378,7 +380,9 @@ class ModelRunner:
     def _capture_mixed(self, buckets: list[int], seqs: int):
         """The mixed steps' graphs: up to `seqs` sequences with up to a bucket's tokens in all,
         every row's attention through the host-free kernel (PagedBatch backend "mixed"). Each
-        returns the logits of `seqs` rows (those a step asks for first). Returns the pool."""
+        returns the final hidden states of `seqs` rows (those a step asks logits of first; the
+        head runs after the replay, so the graphs hold [seqs, dim], not [seqs, vocab], each).
+        Returns the pool."""
         size = max(buckets)
         long = dict(dtype=torch.long, device=self.device)
         int32 = dict(dtype=torch.int32, device=self.device)
@@ -394,16 +398,17 @@ class ModelRunner:
         for bucket in sorted(buckets, reverse=True):
             s = self._mixed
             batch = PagedBatch(self.k_caches, self.v_caches, s.slot_mapping[:bucket], s.block_tables, s.context_lens,
-                               s.query_start, bucket, s.logits_indices, "mixed", 0, 1, 0, self.max_model_len)
+                               s.query_start, bucket, s.logits_indices[:0], "mixed", 0, 1, 0, self.max_model_len,
+                               hidden_indices=s.logits_indices)
             if self.adapter_ids is not None:
                 self.adapter_ids.use(s.adapter_ids[:bucket])
             tokens, positions = s.token_ids[None, :bucket], s.positions[:bucket]
             self.model(tokens, positions=positions, paged=batch)  # compiles the kernels outside the capture
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self.model(tokens, positions=positions, paged=batch)  # in the model's dtype: half the memory
+                _, hidden = self.model(tokens, positions=positions, paged=batch)
             pool = graph.pool()
-            self.mixed_graphs[bucket] = (graph, logits)
+            self.mixed_graphs[bucket] = (graph, hidden)
         return pool
 
     def _replay_mixed(self, inputs: StepInputs) -> torch.Tensor:
@@ -429,9 +434,9 @@ class ModelRunner:
                 s.adapter_ids[:n].copy_(x.adapter_ids)
             else:
                 s.adapter_ids[:n].zero_()
-        graph, logits = self.mixed_graphs[bucket]
+        graph, hidden = self.mixed_graphs[bucket]
         graph.replay()
-        return logits[:rows].float()
+        return self.head(hidden[:rows])
 
     def _bucket_batch(self, bucket: int) -> PagedBatch:
         s = self._static
