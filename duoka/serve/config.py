@@ -136,7 +136,8 @@ class EngineConfig:
         flag="--no-prefix-caching", commands=(SERVE,), switch={"enable_prefix_caching": False},
         flag_help="do not reuse the blocks of shared prompt prefixes")
     cuda_graphs: bool = option(
-        True, "replay decode-only steps from CUDA graphs captured per batch-size bucket (GPU)",
+        True, "replay decode-only steps from CUDA graphs captured per batch-size bucket, and steps with prefill "
+        "chunks of up to 2,048 tokens per token bucket (GPU)",
         flag="--enforce-eager", commands=(SERVE, GENERATE), switch=_EAGER,
         flag_help="no compiled blocks and no CUDA graphs (GPU; slower, starts faster)")
     compile: bool | None = option(
