@@ -276,7 +276,8 @@ class ModelRunner:
     CUDA graph's padding rows write their keys and values into."""
 
     def __init__(self, model: Qwen2, shape: CacheShape, device: torch.device, max_model_len: int,
-                 max_num_seqs: int = 256, cuda_graphs: bool = True, max_num_batched_tokens: int = 8192):
+                 max_num_seqs: int = 256, cuda_graphs: bool = True, max_num_batched_tokens: int = 8192,
+                 backend: str | None = None):
         self.model = model
         self.shape = shape
         self.device = device
@@ -285,7 +286,9 @@ class ModelRunner:
         self.v_caches = [torch.zeros(block, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
         self.scratch_block = shape.num_blocks
         fast = device.type == "cuda" and paged_decode.available() and shape.dtype in (torch.bfloat16, torch.float16)
-        self.backend = "cuda" if fast else "reference"
+        # backend: PagedBatch's ("reference" or "cuda"); None: cuda where it runs. A test forces
+        # "cuda" on the CPU to run the graphs' bookkeeping under Triton's interpreter.
+        self.backend = backend or ("cuda" if fast else "reference")
         self.max_blocks = -(-max_model_len // shape.block_size)
         self.max_model_len = max_model_len
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # by decodes
@@ -369,13 +372,11 @@ class ModelRunner:
             if self.adapter_ids is not None:  # the graph reads its slots from the static buffer
                 self.adapter_ids.use(self._static.adapter_ids[:bucket])
             tokens, positions = self._static.token_ids[None, :bucket], self._static.positions[:bucket]
-            self.model(tokens, positions=positions, paged=batch)  # compiles the kernels outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self.model(tokens, positions=positions, paged=batch).float()
-            pool = graph.pool()
+            graph, logits, pool = capture_graph(
+                lambda t=tokens, p=positions, b=batch: self.model(t, positions=p, paged=b).float(), pool)
             self.graphs[bucket] = (graph, logits)
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _capture_mixed(self, buckets: list[int], seqs: int):
         """The mixed steps' graphs: up to `seqs` sequences with up to a bucket's tokens in all,
@@ -403,11 +404,8 @@ class ModelRunner:
             if self.adapter_ids is not None:
                 self.adapter_ids.use(s.adapter_ids[:bucket])
             tokens, positions = s.token_ids[None, :bucket], s.positions[:bucket]
-            self.model(tokens, positions=positions, paged=batch)  # compiles the kernels outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                _, hidden = self.model(tokens, positions=positions, paged=batch)
-            pool = graph.pool()
+            graph, hidden, pool = capture_graph(
+                lambda t=tokens, p=positions, b=batch: self.model(t, positions=p, paged=b)[1], pool)
             self.mixed_graphs[bucket] = (graph, hidden)
         return pool
 
@@ -468,6 +466,17 @@ class ModelRunner:
         graph, logits = self.graphs[bucket]
         graph.replay()
         return logits[:n]
+
+
+def capture_graph(forward, pool):
+    """(graph, its output, the pool) for forward(), run once first outside the capture (so the
+    compiler and Triton compile their kernels there). The graph replays forward's kernels
+    reading the same input buffers and writing the same output tensor."""
+    forward()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out, graph.pool()
 
 
 def cache_shape(model: Qwen2, kv_heads: int, block_size: int, dtype: torch.dtype, kv_bytes: int,
