@@ -115,6 +115,12 @@ if triton is not None:
                      out.to(OUT.dtype.element_ty), mask=io_mask)
 
 
+def _warps(tile_elements: int) -> int:
+    """Warps per program: a [128, 128] fp32 accumulator beside its query tile and scores would
+    exceed a thread's 255 registers at Triton's default of 4 (spilled to local memory)."""
+    return 8 if tile_elements >= 8192 else 4
+
+
 def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     context_lens: torch.Tensor, query_start: torch.Tensor) -> torch.Tensor:
     """q [T, heads, head_dim] (the step's rows, their K/V already in the cache) -> [T, heads,
@@ -133,6 +139,6 @@ def mixed_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), D=head_dim, PAGE=page, BLOCK_Q=rows_per_tile,
-        BLOCK_N=BLOCK_N,
+        BLOCK_N=BLOCK_N, num_warps=_warps(rows_per_tile * triton.next_power_of_2(group) * head_dim),
     )
     return out
