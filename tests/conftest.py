@@ -106,6 +106,20 @@ def compile_flags(compile_cache) -> tuple[str, ...]:
     return ("--training.compile=true", f"--training.compile_cache={compile_cache}")
 
 
+@pytest.fixture(scope="session")
+def triton_interpreted():
+    """triton_interpreted(script): runs a test module as a script under Triton's interpreter
+    (TRITON_INTERPRET=1 must be set before Triton is imported: a process of its own), on the
+    CPU, and returns the JSON its last line printed."""
+    def run(script: str, timeout: int = 600):
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        proc = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=timeout)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.splitlines()[-1])
+
+    return run
+
+
 @pytest.fixture
 def in_process(capsys):
     """in_process(*args): duoka.cli.main(args) in this process, as a CompletedProcess. For

@@ -417,21 +417,12 @@ class ModelRunner:
         bucket = min(t for t in self.mixed_graphs if t >= n)
         s = self._mixed
         x = inputs.to(self.device)
-        s.token_ids[:n].copy_(x.token_ids)
-        s.positions[:n].copy_(x.positions)
-        s.slot_mapping[:n].copy_(x.slot_mapping)
+        stage(s, x)
         s.slot_mapping[n:bucket].fill_(self.scratch_block * self.shape.block_size)
-        s.block_tables[:b, :x.block_tables.shape[1]].copy_(x.block_tables)
-        s.context_lens[:b].copy_(x.context_lens)
         s.query_start[:b + 1].copy_(x.query_start)
         s.query_start[b + 1:].fill_(n)
         s.logits_indices[:rows].copy_(x.logits_indices)
         s.logits_indices[rows:].zero_()  # a stale index could lie past this bucket's rows
-        if s.adapter_ids is not None:
-            if x.adapter_ids is not None:
-                s.adapter_ids[:n].copy_(x.adapter_ids)
-            else:
-                s.adapter_ids[:n].zero_()
         graph, hidden = self.mixed_graphs[bucket]
         graph.replay()
         return self.head(hidden[:rows])
@@ -447,18 +438,7 @@ class ModelRunner:
         n = len(inputs.context_lens)
         bucket = min(b for b in self.graphs if b >= n)
         s = self._static
-        x = inputs.to(self.device)
-        s.token_ids[:n].copy_(x.token_ids)
-        s.positions[:n].copy_(x.positions)
-        s.slot_mapping[:n].copy_(x.slot_mapping)
-        s.context_lens[:n].copy_(x.context_lens)
-        s.block_tables[:n, :x.block_tables.shape[1]].copy_(x.block_tables)
-        if s.adapter_ids is not None:
-            # Padding rows keep stale slots: their outputs are dropped, and no row reads another's.
-            if x.adapter_ids is not None:
-                s.adapter_ids[:n].copy_(x.adapter_ids)
-            else:
-                s.adapter_ids[:n].zero_()
+        stage(s, inputs.to(self.device))
         # Padding rows: one token of context in the scratch block, written to the scratch block.
         s.slot_mapping[n:bucket].fill_(self.scratch_block * self.shape.block_size)
         s.context_lens[n:bucket].fill_(1)
@@ -466,6 +446,23 @@ class ModelRunner:
         graph, logits = self.graphs[bucket]
         graph.replay()
         return logits[:n]
+
+
+def stage(static: StepInputs, x: StepInputs) -> None:
+    """A step's token rows and sequences into the leading rows of a graph's input buffers (its
+    replay then pads the rest). Padding rows keep stale adapter slots: their outputs are
+    dropped, and no row reads another's."""
+    t, b = len(x.token_ids), len(x.context_lens)
+    static.token_ids[:t].copy_(x.token_ids)
+    static.positions[:t].copy_(x.positions)
+    static.slot_mapping[:t].copy_(x.slot_mapping)
+    static.context_lens[:b].copy_(x.context_lens)
+    static.block_tables[:b, :x.block_tables.shape[1]].copy_(x.block_tables)
+    if static.adapter_ids is not None:
+        if x.adapter_ids is not None:
+            static.adapter_ids[:t].copy_(x.adapter_ids)
+        else:
+            static.adapter_ids[:t].zero_()
 
 
 def capture_graph(forward, pool):

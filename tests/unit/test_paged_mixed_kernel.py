@@ -6,10 +6,7 @@ the CPU (TRITON_INTERPRET=1 must be set before Triton is imported: a process of 
 the GPU runs the same comparison in bf16 (bench/serve_gpu_check.py)."""
 
 import json
-import os
 import random
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -62,11 +59,8 @@ def _case(heads, kv, dim, decodes, prefills, pad_rows, pad_seqs, dtype, seed, pa
 
 
 @pytest.fixture(scope="module")
-def results():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+def results(triton_interpreted):
+    return triton_interpreted(__file__)
 
 
 @pytest.mark.parametrize("index", range(len(CASES)))

@@ -8,10 +8,7 @@ backend's Triton kernels run in Triton's interpreter, so the run is a process of
 against the plain forward in bench/serve_gpu_check.py."""
 
 import json
-import os
 import random
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -83,11 +80,8 @@ def _run() -> dict:
 
 
 @pytest.fixture(scope="module")
-def result():
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.splitlines()[-1])
+def result(triton_interpreted):
+    return triton_interpreted(__file__)
 
 
 def test_the_runner_captured_both_kinds_of_graph(result):
