@@ -20,7 +20,7 @@ from duoka.errors import DuokaError
 from duoka.models import paged_decode, paged_mixed
 from duoka.models.qwen2.model import Qwen2
 from duoka.models.qwen2.multi_lora import adapter_ids_of
-from duoka.models.qwen2.paged import PagedBatch
+from duoka.models.qwen2.paged import PagedBatch, mark_caches_static
 from duoka.models.quant.small_batch import save_tuned_configs
 from duoka.serve.sampling import to_device
 from duoka.serve.scheduler import ScheduledItem, Sequence
@@ -28,6 +28,12 @@ from duoka.serve.scheduler import ScheduledItem, Sequence
 # CPU serving is for laptops and tests: without a GPU's memory to fill, the cache takes
 # at most this much of the host's RAM unless --kv-cache-memory says otherwise.
 CPU_KV_CACHE_GIB = 1.0
+
+
+# Steps compile (their blocks, on first sight of a kind of step) without duck sizing: a step
+# as long as a model size (128 tokens, hidden 128) would be tied to it, every other length then
+# compiled anew, and torch's limit of 8 compiled variants is a hard error under fullgraph.
+STEP_SIZES_UNTIED = torch.fx.experimental._config.patch(use_duck_shape=False)
 
 
 @dataclass
@@ -284,6 +290,7 @@ class ModelRunner:
         block = (shape.num_blocks + 1, shape.block_size, shape.kv_heads, shape.head_dim)
         self.k_caches = [torch.zeros(block, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
         self.v_caches = [torch.zeros(block, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
+        mark_caches_static(self.k_caches + self.v_caches)
         self.scratch_block = shape.num_blocks
         fast = device.type == "cuda" and paged_decode.available() and shape.dtype in (torch.bfloat16, torch.float16)
         # backend: PagedBatch's ("reference" or "cuda"); None: cuda where it runs. A test forces
@@ -299,7 +306,8 @@ class ModelRunner:
         if cuda_graphs and self.backend == "cuda":
             tokens = sorted({min(t, max_num_batched_tokens) for t in MIXED_GRAPH_TOKENS} if paged_mixed.available()
                             else set())
-            self._capture([b for b in GRAPH_BUCKETS if b <= max_num_seqs] or [1], tokens)
+            with STEP_SIZES_UNTIED:
+                self._capture([b for b in GRAPH_BUCKETS if b <= max_num_seqs] or [1], tokens)
             save_tuned_configs()  # what the warm-up tuned (FP8's small-batch kernel): kept for the next start
 
     def _batch(self, x: StepInputs, splits: int) -> PagedBatch:
@@ -347,7 +355,8 @@ class ModelRunner:
         batch = self._batch(x, splits)
         if hidden_rows is not None:
             batch.hidden_indices = to_device(hidden_rows, self.device)
-        return self.model(x.token_ids[None], positions=x.positions, paged=batch)
+        with STEP_SIZES_UNTIED:
+            return self.model(x.token_ids[None], positions=x.positions, paged=batch)
 
     # ---------------------------------------------------------------- CUDA graphs
     @torch.inference_mode()

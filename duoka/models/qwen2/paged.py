@@ -23,12 +23,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from duoka.models import paged_decode, paged_mixed
+
+
+BACKENDS = ("reference", "cuda", "mixed")  # the module docstring's three ways; PagedBatch.sizes holds the index
+NO_PREFILL = 2  # the length of a step's prefill_index when it has no prefill chunks (see PagedBatch)
 
 
 @dataclass
@@ -52,9 +57,11 @@ class PagedBatch:
     decode_splits: int = 1
     prefill_context: int = 0
     max_context_len: int = 0
-    # The sizes above as one host tensor, the form in which they enter the attention operator:
-    # a compiled graph that read the integers would specialise on their values. Made once per
-    # step (for_layer's copies share it).
+    # The sizes above and the backend (its index in BACKENDS) as one host tensor, the form in
+    # which they enter the attention operator: a compiled graph that read the integers or the
+    # string would specialise on their values, one more compiled variant of every block for
+    # each (torch's recompile limit is a hard error under fullgraph). Made once per step
+    # (for_layer's copies share it).
     sizes: torch.Tensor | None = None
     # int64 [P]: rows whose final hidden states (after the norm) the forward returns beside the
     # logits, for a head run slice by slice outside it (prompt logprobs: a long prefill chunk
@@ -62,15 +69,30 @@ class PagedBatch:
     hidden_indices: torch.Tensor | None = None
     # For the cuda backend's prefill chunks: prefill_gather_index's int32 offsets and slots, the
     # same for every layer, so made once a step (for_layer's copies share it), not by each layer.
+    # A step without chunks passes NO_PREFILL's two zeros, never None: a tensor or None would
+    # be two compiled variants of every block (and a length of 0 or 1 a specialised one).
     prefill_index: torch.Tensor | None = None
 
     def __post_init__(self):
-        if self.sizes is None:
-            self.sizes = torch.tensor([self.max_query_len, self.num_decodes, self.decode_splits, self.prefill_context,
-                                       self.max_context_len])
-        if self.prefill_index is None and self.backend == "cuda" and self.num_decodes < len(self.context_lens):
-            self.prefill_index = prefill_gather_index(self.block_tables, self.context_lens, self.query_start,
-                                                      self.num_decodes, self.prefill_context, self.block_size)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"PagedBatch backend {self.backend!r}: one of {', '.join(BACKENDS)}")
+        if self.sizes is not None:  # for_layer's copy of a step's batch
+            return
+        self.sizes = torch.tensor([self.max_query_len, self.num_decodes, self.decode_splits, self.prefill_context,
+                                   self.max_context_len, BACKENDS.index(self.backend)])
+        if self.prefill_index is None:
+            chunks = self.backend == "cuda" and self.num_decodes < len(self.context_lens)
+            self.prefill_index = prefill_gather_index(
+                self.block_tables, self.context_lens, self.query_start, self.num_decodes, self.prefill_context,
+                self.block_size) if chunks else self.block_tables.new_zeros(NO_PREFILL)
+        # Their sizes only reach the opaque operator: unbacked, a compiled block neither
+        # specialises on a size of 0 or 1 nor ties one to an equal size elsewhere (duck sizing: a
+        # block table 128 wide would otherwise pin the head dimension's 128 to it). Without
+        # torch._dynamo imported nothing compiled runs (torch.compile imports it), and importing
+        # it would cost a process that never compiles a second.
+        if "torch._dynamo" in sys.modules:
+            for t in (self.slot_mapping, self.block_tables, self.context_lens, self.query_start, self.prefill_index):
+                torch._dynamo.decorators.mark_unbacked(t, list(range(t.dim())))
 
     @property
     def block_size(self) -> int:
@@ -80,6 +102,16 @@ class PagedBatch:
         """The step as one layer sees it: its own caches only. A compiled decoder block then
         indexes no list by its layer number, so every layer shares one compiled graph."""
         return dataclasses.replace(self, k_caches=[self.k_caches[layer]], v_caches=[self.v_caches[layer]])
+
+
+def mark_caches_static(caches: list[torch.Tensor]) -> None:
+    """A runner's caches, the same for its life: static sizes in a compiled block, tied to no
+    equal step size (duck sizing: a first step of 16 tokens would pin its length to the block
+    size's 16, and every other length compile anew). See PagedBatch.__post_init__ for the
+    sys.modules test."""
+    if "torch._dynamo" in sys.modules:
+        for cache in caches:
+            torch._dynamo.decorators.mark_static(cache)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -183,7 +215,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Pa
     reach the kernels in one host tensor (PagedBatch.sizes)."""
     return torch.ops.duoka.paged_attention(
         q, k, v, batch.k_caches[0], batch.v_caches[0], batch.slot_mapping, batch.block_tables,
-        batch.context_lens, batch.query_start, batch.sizes, batch.prefill_index, batch.backend)
+        batch.context_lens, batch.query_start, batch.sizes, batch.prefill_index)
 
 
 # The operator's body runs once per layer of every eager step, on the host's critical path (a
@@ -193,14 +225,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Pa
 def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
                         context_lens: torch.Tensor, query_start: torch.Tensor, sizes: torch.Tensor,
-                        prefill_index: torch.Tensor | None, backend: str) -> torch.Tensor:
-    max_query_len, num_decodes, decode_splits, prefill_context, max_context_len = sizes.tolist()
+                        prefill_index: torch.Tensor) -> torch.Tensor:
+    max_query_len, num_decodes, decode_splits, prefill_context, max_context_len, form = sizes.tolist()
+    backend = BACKENDS[form]
     q = q[0].transpose(0, 1)  # [T, heads, head_dim]
     if backend == "reference":
         write_kv(k_cache, v_cache, k[0].transpose(0, 1), v[0].transpose(0, 1), slot_mapping)
         batch = PagedBatch([k_cache], [v_cache], slot_mapping, block_tables, context_lens, query_start, max_query_len,
                            slot_mapping[:0], backend, num_decodes, decode_splits, prefill_context, max_context_len,
-                           sizes)
+                           sizes, prefill_index=prefill_index)
         out = reference_attention(q, k_cache, v_cache, batch)
         return out.reshape(1, out.shape[0], -1)
     paged_decode.write_kv(k_cache, v_cache, k[0].transpose(0, 1), v[0].transpose(0, 1), slot_mapping)
@@ -214,7 +247,6 @@ def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
                                                 decode_splits)
         if n == q.shape[0]:
             return decoded.reshape(1, n, -1)
-    assert prefill_index is not None, "the cuda backend's PagedBatch makes prefill_index for its prefill chunks"
     prefilled = gathered_prefill(q[n:].contiguous(), k_cache, v_cache, prefill_index, len(context_lens) - n,
                                  max_query_len, max_context_len)
     out = prefilled if decoded is None else torch.cat([decoded, prefilled])
@@ -222,5 +254,5 @@ def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cac
 
 
 @_paged_attention_op.register_fake
-def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, query_start, sizes, prefill_index, backend):
+def _(q, k, v, k_cache, v_cache, slot_mapping, block_tables, context_lens, query_start, sizes, prefill_index):
     return q.new_empty(1, q.shape[2], q.shape[1] * q.shape[3])
