@@ -219,8 +219,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: Pa
 
 
 # The operator's body runs once per layer of every eager step, on the host's critical path (a
-# 7B step's 28 calls were ~11 ms of its CPU, bench/NOTES.md 36): it builds no objects and
-# computes nothing that is the same for every layer (PagedBatch.prefill_index).
+# 7B step's 28 calls were ~11 ms of its CPU, bench/NOTES.md 36): on the GPU's paths (cuda,
+# mixed) it builds no objects and computes nothing that is the same for every layer
+# (PagedBatch.prefill_index); the reference path, the CPU's, rebuilds its PagedBatch.
 @torch.library.custom_op("duoka::paged_attention", mutates_args=("k_cache", "v_cache"))
 def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
