@@ -7,6 +7,7 @@ backend's Triton kernels run in Triton's interpreter, so the run is a process of
 (TRITON_INTERPRET=1 must be set before Triton is imported). The GPU runs the real graphs
 against the plain forward in bench/serve_gpu_check.py."""
 
+import dataclasses
 import json
 import random
 
@@ -51,7 +52,8 @@ def _run() -> dict:
 
     runner_module.capture_graph = capture
     torch.manual_seed(0)
-    model = materialize(build_model(get_flavor("debug")), "cpu", torch.float32)
+    # Two layers: the bookkeeping is every layer's, and each costs the interpreter's kernels.
+    model = materialize(build_model(dataclasses.replace(get_flavor("debug"), n_layers=2)), "cpu", torch.float32)
     model.init_weights(seed=3)
     model.eval()
     args = model.args
