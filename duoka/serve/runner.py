@@ -20,7 +20,7 @@ from duoka.errors import DuokaError
 from duoka.models import paged_decode, paged_mixed
 from duoka.models.qwen2.model import Qwen2
 from duoka.models.qwen2.multi_lora import adapter_ids_of
-from duoka.models.qwen2.paged import PagedBatch, mark_caches_static
+from duoka.models.qwen2.paged import PagedBatch
 from duoka.models.quant.small_batch import save_tuned_configs
 from duoka.serve.sampling import to_device
 from duoka.serve.scheduler import ScheduledItem, Sequence
@@ -290,7 +290,6 @@ class ModelRunner:
         block = (shape.num_blocks + 1, shape.block_size, shape.kv_heads, shape.head_dim)
         self.k_caches = [torch.zeros(block, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
         self.v_caches = [torch.zeros(block, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
-        mark_caches_static(self.k_caches + self.v_caches)
         self.scratch_block = shape.num_blocks
         fast = device.type == "cuda" and paged_decode.available() and shape.dtype in (torch.bfloat16, torch.float16)
         # backend: PagedBatch's ("reference" or "cuda"); None: cuda where it runs. A test forces

@@ -1,6 +1,7 @@
 """A served model's compiled decoder blocks stay at two compiled variants a model (one-token
 steps, which torch specialises, and every other size), whatever a step holds: decodes alone,
-prefill chunks, a graph's mixed step, on the eager path or in a capture. Every block of every
+prefill chunks, a graph's mixed step, on the eager path or in a capture, on the worker's
+profiling runner and on the serving one (caches of other sizes). Every block of every
 served model (a speculative draft's too) shares one compiled code object, and torch's limit
 of 8 compiled variants a code object is a hard error under fullgraph: a 7B target with a
 0.5B draft once hit it mid-workload (bench/NOTES.md 38), when the attention's backend and a
@@ -59,6 +60,20 @@ def _run() -> dict:
         model = materialize(build_model(args, options), "cpu", torch.float32)
         model.init_weights(seed=3)
         model.eval()
+        # First the worker's profiled step (Worker._profile): one sequence of a whole budget, on
+        # a runner of its own whose cache is just large enough. The budget equals the target's
+        # hidden size: duck sizing would tie the two, and every other length compile anew.
+        n = 128
+        profile = ModelRunner(model, CacheShape(args.n_layers, n // BLOCK, BLOCK, args.n_kv_heads,
+                                                args.resolved_head_dim, torch.float32),
+                              torch.device("cpu"), 512, cuda_graphs=False, backend="cuda")
+        with torch.inference_mode():
+            profile.execute(StepInputs(
+                token_ids=torch.zeros(n, dtype=torch.long), positions=torch.arange(n), slot_mapping=torch.arange(n),
+                block_tables=torch.arange(n // BLOCK, dtype=torch.int32)[None],
+                context_lens=torch.tensor([n], dtype=torch.int32), query_start=torch.tensor([0, n], dtype=torch.int32),
+                logits_indices=torch.arange(n - 4, n), max_query_len=n, num_decodes=0, max_context_len=n,
+                prefill_context=n))
         shape = CacheShape(args.n_layers, 200, BLOCK, args.n_kv_heads, args.resolved_head_dim, torch.float32)
         runner = ModelRunner(model, shape, torch.device("cpu"), 512, max_num_seqs=4, cuda_graphs=True,
                              max_num_batched_tokens=128, backend="cuda")

@@ -104,16 +104,6 @@ class PagedBatch:
         return dataclasses.replace(self, k_caches=[self.k_caches[layer]], v_caches=[self.v_caches[layer]])
 
 
-def mark_caches_static(caches: list[torch.Tensor]) -> None:
-    """A runner's caches, the same for its life: static sizes in a compiled block, tied to no
-    equal step size (duck sizing: a first step of 16 tokens would pin its length to the block
-    size's 16, and every other length compile anew). See PagedBatch.__post_init__ for the
-    sys.modules test."""
-    if "torch._dynamo" in sys.modules:
-        for cache in caches:
-            torch._dynamo.decorators.mark_static(cache)
-
-
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k, v: [T, kv_heads, head_dim] into their slots of the layer's cache (the reference
