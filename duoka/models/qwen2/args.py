@@ -146,6 +146,8 @@ class ModelArgs:
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
+        if self.num_experts == 0:  # a dense model at once: the planner asks ~500K times a scaling table
+            return ()
         return tuple(i for i in range(self.n_layers) if self.is_moe_layer(i))
 
     @property

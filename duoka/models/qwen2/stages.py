@@ -4,6 +4,8 @@ always see the same split."""
 
 from __future__ import annotations
 
+import functools
+
 from duoka.errors import DuokaError
 from duoka.models.qwen2.args import ModelArgs
 
@@ -12,8 +14,13 @@ def stage_layer_counts(n_layers: int, n_stages: int) -> list[int]:
     """Decoder layers per pipeline stage under parallel.pp_layers=even, as the trainer
     splits them: n_layers + 2 units (the embedding and the output head count as one layer
     each, torchtitan's convention) spread evenly, the extra units to the middle stages."""
+    return list(_even_counts(n_layers, n_stages))
+
+
+@functools.cache  # the planner asks for the same few splits ~150K times in one scaling table
+def _even_counts(n_layers: int, n_stages: int) -> tuple[int, ...]:
     if n_stages == 1:
-        return [n_layers]
+        return (n_layers,)
     base, extra = divmod(n_layers + 2, n_stages)
     counts = [base] * n_stages
     order = list(range(1, n_stages - 1)) + [0, n_stages - 1] if n_stages > 2 else list(range(n_stages))
@@ -26,7 +33,7 @@ def stage_layer_counts(n_layers: int, n_stages: int) -> list[int]:
         if c < 0:
             counts[i] = 0
             counts[i + 1 if i + 1 < n_stages else i - 1] += c
-    return counts
+    return tuple(counts)
 
 
 def layer_counts(args: ModelArgs, n_stages: int, spec: str, seq_len: int = 2048) -> list[int]:
