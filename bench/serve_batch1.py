@@ -16,6 +16,7 @@ batch1_7b.run*.json); device kind nvidia-h200, from the repository root, .wheels
 for bench/serve_vs_peer.sh:
 
     python3 bench/serve_batch1.py --shape 7b --out $OUT/batch1_7b.json
+    python3 bench/serve_batch1.py --shape moe-a2.7b --out $OUT/batch1_moe.json  # a MoE shape: no GEMV table
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_models import SHAPES, make_folder, peer_workload  # noqa: E402
+from serve_models import SHAPES, config_folder, is_moe, make_folder, peer_workload  # noqa: E402
 
 from duoka.serve.config import EngineConfig  # noqa: E402
 from duoka.serve.engine import LLMEngine  # noqa: E402
@@ -109,10 +110,12 @@ def gemv_table(shape: dict) -> list[dict]:
 
 
 def engine_batch1(shape_name: str) -> dict:
-    folder = make_folder(shape_name)
+    # A MoE shape's random weights are built on the device (tens of GB written to disk otherwise).
+    moe = is_moe(SHAPES[shape_name])
+    folder = config_folder(shape_name) if moe else make_folder(shape_name)
     vocab = SHAPES[shape_name]["vocab_size"]
     t0 = time.perf_counter()
-    engine = LLMEngine(EngineConfig(model=folder, max_model_len=4096))
+    engine = LLMEngine(EngineConfig(model=folder, max_model_len=4096, load_format="dummy" if moe else "auto"))
     res = {"start_s": time.perf_counter() - t0}
     prompt = peer_workload(1, 128, 128, vocab)[0]
 
@@ -178,13 +181,19 @@ def main():
     a = ap.parse_args()
     shape = SHAPES[a.shape]
     res = {"shape": a.shape, "copy_tb_s": copy_bandwidth() / 1e12}
-    dim, hidden, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
-    kv = shape["num_key_value_heads"] * dim // shape["num_attention_heads"]
-    per_layer = dim * (2 * dim + 2 * kv) + 3 * dim * hidden
-    res["weight_bytes_per_token"] = 2 * (layers * per_layer + dim * shape["vocab_size"])
+    moe = is_moe(shape)
+    if moe:  # the active weights: attention, router, the k routed experts, the shared expert, head
+        from serve_moe import active_bytes
+
+        res["weight_bytes_per_token"] = active_bytes(config_folder(a.shape))["bytes_per_token"]
+    else:
+        dim, hidden, layers = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+        kv = shape["num_key_value_heads"] * dim // shape["num_attention_heads"]
+        per_layer = dim * (2 * dim + 2 * kv) + 3 * dim * hidden
+        res["weight_bytes_per_token"] = 2 * (layers * per_layer + dim * shape["vocab_size"])
     res["ceiling_tokens_per_s"] = res["copy_tb_s"] * 1e12 / res["weight_bytes_per_token"]
     print(json.dumps(res), flush=True)
-    if not a.skip_gemv:
+    if not a.skip_gemv and not moe:  # the table's projections are a dense layer's
         res["gemv"] = gemv_table(shape)
     res["engine"] = engine_batch1(a.shape)
     print(json.dumps(res["engine"], indent=1), flush=True)
