@@ -25,6 +25,12 @@ lm_eval.models.huggingface, lm_eval.models.openai_completions"` says) and instal
 `pip install --no-index --no-deps .wheels/*.whl`; scikit-learn, scipy and nltk are not
 imported by these tasks.
 
+Where the server's time goes (--parts engine, NOTES 40): the same requests straight into the
+engine (LLMEngine in this process: no HTTP, no lm-eval client), in lm-eval's order (longest
+first) with as many in flight as lm-eval keeps (batch size x concurrent requests): wall time,
+steps, tokens computed, and with --cprofile the host's hottest functions (time in a
+synchronising call is the host waiting for the GPU).
+
 CPU smoke check (the bundled tiny model in fp32; about 20 s on 2 cores):
 
     PYTHONPATH=$PWD python3 bench/serve_lm_eval.py --shape tiny --questions 24 --hf-batch-size 8 \\
@@ -34,8 +40,11 @@ CPU smoke check (the bundled tiny model in fp32; about 20 s on 2 cores):
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gzip
+import io
 import json
+import pstats
 import random
 import re
 import sys
@@ -53,6 +62,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_models import make_folder  # noqa: E402
 
 from duoka.bench.serving import StartedServer  # noqa: E402
+from duoka.serve.config import EngineConfig  # noqa: E402
+from duoka.serve.engine import LLMEngine  # noqa: E402
+from duoka.serve.params import SamplingParams  # noqa: E402
 from duoka.hub import bundled_model_dir  # noqa: E402
 
 TASK = "duoka_mc_bench"
@@ -154,6 +166,72 @@ def run_duoka(folder: Path, tasks: Path, serve_args: list[str], batch_size: int,
             "loglikelihoods": loglikelihoods(results)}
 
 
+def scoring_prompts(folder: Path, tasks: Path) -> list[list[int]]:
+    """lm-eval's requests of the task as token ids, in the order it sends them: per choice the
+    context's tokens and then the continuation's (" " + choice, split off the whole's encoding
+    as lm-eval's _encode_pair does), longest first."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    prompts = []
+    with open(tasks / f"{TASK}.jsonl", encoding="utf-8") as f:
+        for line in f:
+            row = json.loads(line)
+            context = tok.encode(row["context"], add_special_tokens=False)
+            for choice in row["choices"]:
+                whole = tok.encode(row["context"] + " " + choice, add_special_tokens=False)
+                prompts.append(context + whole[len(context):])
+    return sorted(prompts, key=len, reverse=True)
+
+
+def run_engine(folder: Path, tasks: Path, dtype: str, device: str, in_flight: int, profile: bool) -> dict:
+    """The scoring requests straight into LLMEngine, in_flight of them at a time (lm-eval's
+    batch size x concurrent requests), each max_tokens=1 with prompt logprobs of k=1 as lm-eval
+    asks: wall time, steps, prompt tokens computed; with profile the host's top functions."""
+    prompts = scoring_prompts(folder, tasks)
+    engine = LLMEngine(EngineConfig(model=folder, dtype=dtype, device=device))  # as duoka serve with no flags
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=1, prompt_logprobs=1)
+    for i, p in enumerate(prompts[:4]):  # warm-up: the compiled blocks' first shapes
+        engine.add_request(f"w{i}", p, params)
+    while engine.has_unfinished():
+        engine.step()
+    before = engine.stats()
+    prof = cProfile.Profile() if profile else None
+    pending, done, steps = list(enumerate(prompts))[::-1], 0, 0
+    running = 0
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    if prof:
+        prof.enable()
+    while pending or engine.has_unfinished():
+        while pending and running < in_flight:
+            i, p = pending.pop()
+            engine.add_request(f"r{i}", p, params)
+            running += 1
+        finished = sum(out.finished for out in engine.step())
+        running -= finished
+        done += finished
+        steps += 1
+    if prof:
+        prof.disable()
+    wall = time.perf_counter() - t0
+    after = engine.stats()
+    engine.shutdown()
+    side = {"seconds": wall, "requests": done, "steps": steps, "in_flight": in_flight,
+            "prompt_tokens": sum(map(len, prompts)),
+            "prompt_tokens_computed": after.prompt_tokens - before.prompt_tokens,
+            "prefix_hits": after.prefix_hits - before.prefix_hits}
+    side["computed_tokens_per_s"] = side["prompt_tokens_computed"] / wall
+    side["computed_tokens_per_step"] = side["prompt_tokens_computed"] / max(steps, 1)
+    side["requests_per_s"] = done / wall
+    if prof:
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
+        side["host_profile"] = out.getvalue()
+    return side
+
+
 def compare(duoka: dict, hf: dict, questions: int) -> dict:
     a, b = duoka.pop("loglikelihoods"), hf.pop("loglikelihoods")
     diffs = [abs(x - y) for da, db in zip(a, b) for x, y in zip(da, db)]
@@ -177,6 +255,10 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=16, help="prompts per request to duoka serve")
     p.add_argument("--num-concurrent", type=int, default=16, help="requests in flight to duoka serve")
     p.add_argument("--serve-arg", action="append", default=[], help="extra `duoka serve` flag (repeatable)")
+    p.add_argument("--parts", nargs="+", default=["hf", "duoka"], choices=["hf", "duoka", "engine"],
+                   help="hf: lm-eval's hf backend; duoka: lm-eval against duoka serve; engine: the same "
+                        "requests straight into the engine (no HTTP, no lm-eval client)")
+    p.add_argument("--cprofile", action="store_true", help="with engine: the host's hottest functions too")
     p.add_argument("--work", default="/tmp/duoka-lm-eval", help="where the task files go")
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -191,21 +273,36 @@ def main() -> None:
     tasks = make_task(Path(args.work) / f"tasks-{args.questions}", args.questions)
 
     log(f"lm-eval {lm_eval.__version__}: {args.questions} questions on {folder} ({dtype}, {device})")
-    hf = run_hf(folder, tasks, dtype, args.hf_batch_size, device)
-    log(f"hf backend: {hf['seconds']:.1f} s, acc {hf['acc']:.4f}")
-    serve_args = ["--dtype", dtype, "--device", device, *args.serve_arg]
-    duoka = run_duoka(folder, tasks, serve_args, args.batch_size, args.num_concurrent)
-    log(f"duoka serve: {duoka['seconds']:.1f} s, acc {duoka['acc']:.4f}")
     result = {"model": str(folder), "shape": None if args.model else args.shape, "questions": args.questions,
               "dtype": dtype, "device": torch.cuda.get_device_name() if cuda else "cpu",
               "torch": torch.__version__, "lm_eval": lm_eval.__version__,
-              "command": " ".join(["python3", "bench/serve_lm_eval.py", *sys.argv[1:]]),
-              **compare(duoka, hf, args.questions), "duoka": duoka, "hf": hf}
+              "command": " ".join(["python3", "bench/serve_lm_eval.py", *sys.argv[1:]])}
+    if "engine" in args.parts:
+        result["engine"] = run_engine(folder, tasks, dtype, device, args.batch_size * args.num_concurrent,
+                                      args.cprofile)
+        log(f"engine alone: {result['engine']['seconds']:.1f} s, "
+            f"{result['engine']['computed_tokens_per_s']:,.0f} computed tokens/s")
+        if cuda:
+            torch.cuda.empty_cache()
+    if "hf" in args.parts:
+        result["hf"] = run_hf(folder, tasks, dtype, args.hf_batch_size, device)
+        log(f"hf backend: {result['hf']['seconds']:.1f} s, acc {result['hf']['acc']:.4f}")
+    if "duoka" in args.parts:
+        serve_args = ["--dtype", dtype, "--device", device, *args.serve_arg]
+        result["duoka"] = run_duoka(folder, tasks, serve_args, args.batch_size, args.num_concurrent)
+        log(f"duoka serve: {result['duoka']['seconds']:.1f} s, acc {result['duoka']['acc']:.4f}")
+    if "hf" in result and "duoka" in result:
+        result.update(compare(result["duoka"], result["hf"], args.questions))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k not in ("duoka", "hf")}, indent=1))
-    print(f"duoka {duoka['requests_per_s']:.1f} req/s (acc {duoka['acc']:.4f}), hf {hf['requests_per_s']:.1f} req/s "
-          f"(acc {hf['acc']:.4f}): {result['speedup']:.2f}x")
+    print(json.dumps({k: v for k, v in result.items() if k not in ("duoka", "hf", "engine")}, indent=1))
+    if "engine" in result:
+        print({k: v for k, v in result["engine"].items() if k != "host_profile"})
+        print(result["engine"].get("host_profile", ""))
+    if "speedup" in result:
+        duoka, hf = result["duoka"], result["hf"]
+        print(f"duoka {duoka['requests_per_s']:.1f} req/s (acc {duoka['acc']:.4f}), hf {hf['requests_per_s']:.1f} "
+              f"req/s (acc {hf['acc']:.4f}): {result['speedup']:.2f}x")
 
 
 if __name__ == "__main__":
