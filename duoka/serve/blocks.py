@@ -222,7 +222,8 @@ class BlockManager:
         while token <= end:
             j = token // bs
             upto = min(end + 1, (j + 1) * bs)
-            seq.prompt_logprob_entries += self.logprobs.read(seq.block_hashes[j], ids[token:upto], token - j * bs, k)
+            rows = self.logprobs.read(seq.block_hashes[j], ids[token:upto], token - j * bs, k)
+            seq.prompt_logprob_entries.append(rows)
             token = upto
         seq.prompt_logprob_rows = max(seq.prompt_logprob_rows, end)
 
@@ -267,7 +268,7 @@ class BlockManager:
         bs, k, entries = self.block_size, seq.params.prompt_logprobs, seq.prompt_logprob_entries
         for i in range(start, min(end, seq.num_prompt_tokens // bs, len(entries) // bs + 1)):
             if (i + 1) * bs - 1 <= len(entries) and seq.block_hashes[i] in self.cached:
-                self.logprobs.put(seq.block_hashes[i], entries[max(i * bs - 1, 0):(i + 1) * bs - 1], k)
+                self.logprobs.put(seq.block_hashes[i], entries.rows(max(i * bs - 1, 0), (i + 1) * bs - 1), k)
 
     def free(self, seq) -> None:
         """Release seq's blocks (finish, abort or preemption): reference counts drop; a block

@@ -25,6 +25,7 @@ from duoka.serve.blocks import BlockManager
 from duoka.serve.config import EngineConfig
 from duoka.serve.detok import IncrementalDetokenizer
 from duoka.serve.params import RequestOutput, SamplingParams, TokenLogprob
+from duoka.serve.logprob_columns import PromptEntries
 from duoka.serve.prompt_logprobs import prompt_rows
 from duoka.serve.proposers import check_draft_tokenizer, default_proposer
 from duoka.serve.runner import CacheShape, ModelRunner, decode_first, prepare_inputs
@@ -199,7 +200,7 @@ class LLMEngine:
         self._in_flight: tuple | None = None
         # Requests with prompt_logprobs, until their first output: their prompt rows' entries so
         # far. Empty (the common case), a step looks for no prompt rows.
-        self._prompt_logprobs: dict[str, list[TokenLogprob]] = {}
+        self._prompt_logprobs: dict[str, PromptEntries] = {}
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._preemptions = 0
@@ -348,7 +349,7 @@ class LLMEngine:
         if scored is not None:
             for span, entries in scored.result():
                 if span.seq.status is SeqStatus.RUNNING:  # not aborted since
-                    self._prompt_logprobs[span.seq.request_id].extend(entries)
+                    self._prompt_logprobs[span.seq.request_id].append(entries)
         self._generation_tokens += len(sampled)
         # A request that generates nothing lands once, without a token, when its prompt is done.
         landed = []
@@ -442,7 +443,8 @@ class LLMEngine:
                 self.speculator.forget(seq.request_id)
         prompt_logprobs = None
         if seq.params.prompt_logprobs is not None and len(seq.output_ids) <= len(tokens):  # its first output
-            prompt_logprobs = [None, *self._prompt_logprobs.pop(seq.request_id, ())]
+            self._prompt_logprobs.pop(seq.request_id, None)
+            prompt_logprobs = seq.prompt_logprob_entries.columns()
         return RequestOutput(seq.request_id, tokens, text, logprobs, finished, seq.finish_reason, len(seq.prompt_ids),
                              len(seq.output_ids), seq.num_cached_tokens, prompt_logprobs)
 

@@ -28,7 +28,6 @@ import multiprocessing
 import queue
 import signal
 import threading
-import dataclasses
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,6 @@ from duoka.errors import DuokaError
 from duoka.host.lifetime import die_with_launcher
 from duoka.serve.config import EngineConfig
 from duoka.serve.engine import EngineStats, LLMEngine, RequestLimits, lora_slot
-from duoka.serve.logprob_columns import PromptLogprobColumns
 from duoka.serve.params import RequestOutput, SamplingParams
 from duoka.serve.worker import RunnerFactory
 
@@ -225,11 +223,6 @@ def _loop(engine: LLMEngine, conn) -> None:
         # Every step is answered, outputs or not: the server's side hands over new requests
         # between two answers, so a long prefill must not keep them waiting.
         if stepped or unheard:
-            conn.send(("step", unheard + [_packed(out) for out in outputs], engine.stats()))
+            # Prompt logprobs cross as the engine made them: columns (serve.logprob_columns), a few buffers.
+            conn.send(("step", unheard + outputs, engine.stats()))
 
-
-def _packed(out: RequestOutput) -> RequestOutput:
-    """The output as it crosses the pipe: its prompt logprobs, if any, as columns (logprob_columns)."""
-    if out.prompt_logprobs is None:
-        return out
-    return dataclasses.replace(out, prompt_logprobs=PromptLogprobColumns.pack(out.prompt_logprobs))

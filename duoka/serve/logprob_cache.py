@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from duoka.serve.params import MAX_LOGPROBS, TokenLogprob
+from duoka.serve.logprob_columns import EntryRows
+from duoka.serve.params import MAX_LOGPROBS
 
 
 @dataclass(frozen=True)
@@ -56,37 +57,32 @@ class BlockLogprobs:
         record = self.records.get(block)
         return record is not None and record.k >= k
 
-    def put(self, block: bytes, entries: list[TokenLogprob], k: int) -> None:
+    def put(self, block: bytes, rows: EntryRows, k: int) -> None:
         """Keep the entries of a block's tokens (block 0's: its tokens 1.., so one fewer), each
         with k alternatives. A record of at least k already there stays (the same values: both
         come from the same tokens); a smaller one is replaced."""
-        bs = self.block_size
-        assert 0 <= k <= MAX_LOGPROBS and len(entries) in (bs, bs - 1), (k, len(entries))
+        bs, n = self.block_size, len(rows.token_ids)
+        assert 0 <= k <= MAX_LOGPROBS and n in (bs, bs - 1) and rows.top_ids.shape == (n, k), (k, rows.top_ids.shape)
         if self.has(block, k):
             return
-        first = bs - len(entries)  # 1 for block 0, whose first token has no entry
+        first = bs - n  # 1 for block 0, whose first token has no entry
         logprobs = np.full(bs, np.nan, dtype=np.float32)
         ranks = np.zeros(bs, dtype=np.int32)
         top_ids = np.zeros((bs, k), dtype=np.int32)
         top_values = np.zeros((bs, k), dtype=np.float32)
-        for slot, entry in enumerate(entries, start=first):
-            assert len(entry.top) == k, (len(entry.top), k)
-            logprobs[slot], ranks[slot] = entry.logprob, entry.rank
-            if k:
-                top_ids[slot], top_values[slot] = zip(*entry.top)
+        # fp32 values widened on the way in: narrowing them back is exact.
+        logprobs[first:], ranks[first:] = rows.logprobs, rows.ranks
+        top_ids[first:], top_values[first:] = rows.top_ids, rows.top_values
         self.records[block] = BlockRecord(k, logprobs, ranks, top_ids, top_values)
 
-    def read(self, block: bytes, token_ids: list[int], first: int, k: int) -> list[TokenLogprob]:
+    def read(self, block: bytes, token_ids: list[int], first: int, k: int) -> EntryRows:
         """The entries of the block's tokens token_ids, which sit at slots first, first + 1, ...,
         with their k most likely alternatives (a record's own k >= k, cut)."""
         record = self.records[block]
         end = first + len(token_ids)
         assert record.k >= k and end <= self.block_size and not np.isnan(record.logprobs[first:end]).any()
-        # tolist() gives Python floats equal to the fp32 values computed: no rounding on the way back.
-        logprobs, ranks = record.logprobs[first:end].tolist(), record.ranks[first:end].tolist()
-        ids, values = record.top_ids[first:end, :k].tolist(), record.top_values[first:end, :k].tolist()
-        return [TokenLogprob(t, lp, list(zip(i, v)), r)
-                for t, lp, r, i, v in zip(token_ids, logprobs, ranks, ids, values)]
+        return EntryRows(np.asarray(token_ids, dtype=np.int64), record.logprobs[first:end], record.ranks[first:end],
+                         record.top_ids[first:end, :k], record.top_values[first:end, :k])
 
     def drop(self, block: bytes) -> None:
         """The block left the prefix cache (evicted): its entries go with it."""

@@ -1,23 +1,25 @@
-"""A request's prompt logprobs as columns of numbers, for the way from the engine process to the
-server: a scoring request (lm-eval's echo with logprobs) has an entry per prompt token, and as
-TokenLogprob objects they were half of the server's CPU to unpickle and a tenth of the
-engine process's to pickle (bench/NOTES.md 35). As arrays they cross the pipe as a few buffers;
+"""A request's prompt logprobs as columns of numbers, from the device's copy to the server: a
+scoring request (lm-eval's echo with logprobs) has an entry per prompt token, and as TokenLogprob
+objects they were half of the server's CPU to unpickle (bench/NOTES.md 35) and, built from each
+step's rows and from the prefix cache's blocks, ~3 ms of the engine's host time per scored
+prompt of 330 tokens (NOTES 40). So the engine gathers them as rows of arrays (EntryRows, into
+a request's PromptEntries), they cross the pipe as a few buffers (PromptLogprobColumns), and
 the server writes the completions API's lists from the columns without building the objects.
 
 The columns hold exactly the entries' values: token ids and ranks as int64, logprobs as float64
-(each one an fp32 value widened, as TokenLogprob holds it), so list(columns) equals the list
-they were packed from.
+(each one an fp32 value widened, as TokenLogprob holds it), so list(columns) equals the list of
+TokenLogprob the entries stand for.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
-from duoka.serve.params import TokenLogprob
-from duoka.serve.protocol import LOGPROB_FLOOR
+from duoka.serve.params import LOGPROB_FLOOR, TokenLogprob
 
 NO_RANK = -1  # a rank of None (sampled tokens have none; prompt entries always do)
 
@@ -95,3 +97,61 @@ class PromptLogprobColumns(Sequence):
             top.setdefault(names[j + 1], value)  # the token itself is always listed, as vLLM does
             tops.append(top)
         return {"tokens": names, "token_logprobs": [None, *values], "top_logprobs": tops, "text_offset": offsets}
+
+
+class EntryRows(NamedTuple):
+    """Consecutive prompt entries of one request: the prompt token each scores, its logprob and
+    rank, and its k most likely alternatives (most likely first). Arrays of n rows, any dtypes
+    holding the values exactly (fp32 logprobs widened, ids as integers)."""
+    token_ids: np.ndarray  # [n]
+    logprobs: np.ndarray  # [n]
+    ranks: np.ndarray  # [n]
+    top_ids: np.ndarray  # [n, k]
+    top_values: np.ndarray  # [n, k]
+
+
+class PromptEntries:
+    """A scoring request's prompt entries as they arrive, in order (rows computed by its steps,
+    rows read from cached blocks): entry i scores prompt token i + 1, each with the request's k
+    alternatives. The columns are made at the first rows, sized for the whole prompt (2 + 2k
+    numbers a token), so nothing is built per token."""
+
+    def __init__(self, capacity: int, k: int):
+        self.capacity, self.k, self.count = capacity, k, 0
+        self._columns: EntryRows | None = None
+
+    def __len__(self) -> int:
+        return self.count
+
+    def append(self, rows: EntryRows) -> None:
+        n = len(rows.token_ids)
+        if not n:
+            return
+        assert self.count + n <= self.capacity and rows.top_ids.shape == (n, self.k), (self.count, n, self.k)
+        if self._columns is None:
+            c, k = self.capacity, self.k
+            self._columns = EntryRows(np.empty(c, np.int64), np.empty(c, np.float64), np.empty(c, np.int64),
+                                      np.empty((c, k), np.int64), np.empty((c, k), np.float64))
+        for column, part in zip(self._columns, rows):
+            column[self.count:self.count + n] = part
+        self.count += n
+
+    def rows(self, start: int, end: int) -> EntryRows:
+        """Entries start..end - 1 (views)."""
+        assert 0 <= start <= end <= self.count, (start, end, self.count)
+        return EntryRows(*(column[start:end] for column in self._columns))
+
+    def columns(self) -> PromptLogprobColumns:
+        """[None, entry 1, ...]: the prompt's logprobs as the request's output carries them."""
+        if self._columns is None:
+            empty = np.empty(0, np.int64)
+            return PromptLogprobColumns(empty, np.empty(0, np.float64), empty, np.zeros(1, np.int64), empty,
+                                        np.empty(0, np.float64))
+        n, k = self.count, self.k
+        ids, logprobs, ranks, top_ids, top_values = self.rows(0, n)
+        return PromptLogprobColumns(ids.copy(), logprobs.copy(), ranks.copy(), np.arange(n + 1, dtype=np.int64) * k,
+                                    top_ids.reshape(-1).copy(), top_values.reshape(-1).copy())
+
+    def entries(self) -> list[TokenLogprob]:
+        """The entries as TokenLogprob objects (tests, and readers that want them one by one)."""
+        return self.columns().entries()[1:]

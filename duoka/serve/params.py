@@ -18,6 +18,8 @@ from duoka.errors import DuokaError
 
 # OpenAI's limit on top_logprobs; the sampler's top-k over the vocabulary is sized by it.
 MAX_LOGPROBS = 20
+# JSON has no -inf; a token the model rules out entirely gets vLLM's stand-in value.
+LOGPROB_FLOOR = -9999.0
 # OpenAI allows 4 stop strings. More are accepted here (prompt formats often need several),
 # but not without bound: every stop string is searched in every step's new text of its
 # request, and the longest one sets how much text is held back from the stream.

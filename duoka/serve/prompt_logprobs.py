@@ -10,7 +10,8 @@ log-softmax, the prompt token's logprob and rank, the top k. What comes back to 
 2 + 2k numbers a row, never a row of the vocabulary, so a 32K-token prompt's answer stays
 small; on GPU at most max_rows rows of logits exist at once, as many as the profile step had.
 
-Rows are counted on the Sequence (prompt_logprob_rows, their entries in prompt_logprob_entries):
+Rows are counted on the Sequence (prompt_logprob_rows, their entries in prompt_logprob_entries,
+columns: serve.logprob_columns):
 a preempted request's recompute does not repeat them. The prefix cache holds keys and values,
 not logits, so it serves such a request a cached block only where the rows it skips are out
 already or their entries were kept with the blocks by an earlier scoring request
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from duoka.serve.params import TokenLogprob
+from duoka.serve.logprob_columns import EntryRows
 from duoka.serve.sampling import HostCopy, to_device
 from duoka.serve.scheduler import ScheduledItem, Sequence
 
@@ -80,24 +81,23 @@ class PendingPromptLogprobs:
         self.prompt = prompt
         self.copy = HostCopy(packed)
 
-    def result(self) -> list[tuple[PromptSpan, list[TokenLogprob]]]:
+    def result(self) -> list[tuple[PromptSpan, EntryRows]]:
         """Each span with its rows' entries: the prompt token, its logprob and rank, and the
-        span's own k alternatives."""
-        host = self.copy.values()
+        span's own k alternatives (views of the step's host copy; no object per row)."""
+        host = self.copy.array()  # float64: fp32 values widened, token ids and ranks exact
         prompt, k = self.prompt, self.prompt.top_k
-        n = len(host) // (2 + 2 * k)
-        values, ids = host[2 * n:2 * n + n * k], host[2 * n + n * k:]
-        targets = prompt.targets.tolist()
+        n = len(prompt.targets)
+        assert len(host) == n * (2 + 2 * k), (len(host), n, k)
+        logprobs, ranks = host[:n], host[n:2 * n].astype(np.int64)
+        values = host[2 * n:2 * n + n * k].reshape(n, k)
+        ids = host[2 * n + n * k:].reshape(n, k).astype(np.int64)
+        targets = prompt.targets.numpy()
         out, row = [], 0
         for span in prompt.spans:
-            want = span.seq.params.prompt_logprobs
-            entries = []
-            for r in range(row, row + span.count):
-                top = slice(r * k, r * k + want)
-                entries.append(TokenLogprob(targets[r], host[r], [(int(t), v) for t, v in zip(ids[top], values[top])],
-                                            int(host[n + r])))
-            out.append((span, entries))
-            row += span.count
+            want, end = span.seq.params.prompt_logprobs, row + span.count
+            out.append((span, EntryRows(targets[row:end], logprobs[row:end], ranks[row:end], ids[row:end, :want],
+                                        values[row:end, :want])))
+            row = end
         return out
 
 

@@ -26,10 +26,7 @@ import pydantic_core
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from duoka.serve.params import MAX_LOGPROBS, RequestOutput
-
-# JSON has no -inf; a token the model rules out entirely gets vLLM's stand-in value.
-LOGPROB_FLOOR = -9999.0
+from duoka.serve.params import LOGPROB_FLOOR, MAX_LOGPROBS, RequestOutput
 # The largest request body read. Qwen2's longest context (131,072 tokens) is under 1 MiB as
 # JSON token ids or as text; past this a body is refused (413) before it is parsed or
 # tokenized, so one client cannot make the server hold and parse gigabytes.

@@ -203,9 +203,13 @@ class HostCopy:
             self.host = packed
 
     def values(self) -> list:
+        return self.array().tolist()
+
+    def array(self):
+        """The values as a numpy array (waits for the copy like values())."""
         if self.event is not None:
             self.event.synchronize()
-        return self.host.tolist()
+        return self.host.numpy()
 
 
 class PendingSample:

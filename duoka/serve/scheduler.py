@@ -43,7 +43,8 @@ from enum import Enum
 import numpy as np
 
 from duoka.serve.blocks import BlockManager
-from duoka.serve.params import SamplingParams, TokenLogprob
+from duoka.serve.logprob_columns import PromptEntries
+from duoka.serve.params import SamplingParams
 
 
 class SeqStatus(Enum):
@@ -98,7 +99,8 @@ class Sequence:
         # kept across preemption, so a recompute does not repeat them, and the blocks this
         # request registers keep the entries of their tokens for other scoring requests.
         self.prompt_logprob_rows = 0
-        self.prompt_logprob_entries: list[TokenLogprob] = []
+        self.prompt_logprob_entries = (PromptEntries(len(prompt_ids) - 1, params.prompt_logprobs)
+                                       if params.prompt_logprobs is not None else None)
 
     @property
     def num_tokens(self) -> int:

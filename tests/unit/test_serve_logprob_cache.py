@@ -8,13 +8,15 @@ bypass), blocks a plain request cached (no entries: bypass), and an eviction in 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from test_serve_prompt_logprobs import TEXTS, Served, engine_config, quiet, reference  # noqa: F401 (fixture)
 
 from duoka.serve.blocks import BlockManager
 from duoka.serve.engine import LLMEngine
-from duoka.serve.params import RequestOutput, SamplingParams, TokenLogprob
+from duoka.serve.logprob_columns import EntryRows
+from duoka.serve.params import RequestOutput, SamplingParams
 from duoka.serve.scheduler import Sequence
 
 BLOCK = 16
@@ -209,8 +211,10 @@ def scored_sequence(bm: BlockManager, name: str, ids: list[int], k: int = 1) -> 
     landed, its blocks registered."""
     seq = Sequence(name, ids, scoring(k))
     assert bm.allocate(seq, len(ids)) == len(ids) - seq.num_computed
-    seq.prompt_logprob_entries += [TokenLogprob(t, -t / 64, [(t, -t / 64)] * k, t)
-                                   for t in ids[seq.prompt_logprob_rows + 1:]]
+    t = np.asarray(ids[seq.prompt_logprob_rows + 1:], dtype=np.int64)
+    value = np.float32(-t / 64).astype(np.float64)
+    top_ids, top_values = np.repeat(t[:, None], k, 1), np.repeat(value[:, None], k, 1)
+    seq.prompt_logprob_entries.append(EntryRows(t, value, t, top_ids, top_values))
     seq.num_computed = seq.prompt_logprob_rows = len(ids) - 1
     bm.register_computed(seq)
     return seq
@@ -227,8 +231,8 @@ def test_a_token_entry_is_kept_with_the_block_that_holds_the_token():
     second = Sequence("b", context + [7, 8, 9], scoring(1))
     bm.allocate(second, 64)
     assert second.num_computed == 4 and second.prompt_logprob_rows == 4
-    assert second.prompt_logprob_entries == first.prompt_logprob_entries[:4]
-    assert [e.token_id for e in second.prompt_logprob_entries] == context[1:5]
+    assert second.prompt_logprob_entries.entries() == first.prompt_logprob_entries.entries()[:4]
+    assert [e.token_id for e in second.prompt_logprob_entries.entries()] == context[1:5]
     wider = Sequence("c", context + [5, 5, 5], scoring(2))
     bm.allocate(wider, 64)
     assert wider.num_computed == 0 and not wider.prompt_logprob_entries

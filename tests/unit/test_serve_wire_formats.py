@@ -5,10 +5,11 @@ import json
 import math
 import pickle
 
+import numpy as np
 import pytest
 
 from duoka.serve.api_logprobs import completion_logprobs, echoed, echoed_logprobs, joined
-from duoka.serve.logprob_columns import PromptLogprobColumns
+from duoka.serve.logprob_columns import EntryRows, PromptEntries, PromptLogprobColumns
 from duoka.serve.params import TokenLogprob
 from duoka.serve.protocol import LOGPROB_FLOOR, json_response
 
@@ -64,3 +65,28 @@ def test_prompt_logprob_columns_read_as_the_entries_they_pack(k):
 def test_columns_refuse_what_is_not_a_prompts_entries():
     with pytest.raises(ValueError, match="first token alone"):
         PromptLogprobColumns.pack(_prompt_entries(1)[1:])
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_prompt_entries_gathered_in_pieces_read_as_the_entries(k):
+    """The engine's accumulator (rows from steps and from cached blocks, any split, fp32
+    values in float32 or float64 arrays) gives the columns of the same entries."""
+    entries = _prompt_entries(k)[1:]
+
+    def rows(part, float_type):
+        return EntryRows(np.array([e.token_id for e in part]), np.array([e.logprob for e in part], float_type),
+                         np.array([e.rank for e in part], np.int32),
+                         np.array([[t for t, _ in e.top] for e in part], np.int64).reshape(len(part), k),
+                         np.array([[v for _, v in e.top] for e in part], float_type).reshape(len(part), k))
+
+    gathered = PromptEntries(len(entries), k)
+    gathered.append(rows(entries[:1], np.float64))
+    gathered.append(rows([], np.float64))  # a step with no row of this request's
+    gathered.append(rows(entries[1:], np.float32))  # as a cached block holds them
+    assert len(gathered) == 3 and gathered.entries()[2].logprob == np.float32(entries[2].logprob)
+    want = [None, *entries[:2], TokenLogprob(7, float(np.float32(-3.0000001e-5)),
+                                            [(t, float(np.float32(v))) for t, v in entries[2].top], 2)]
+    assert list(gathered.columns()) == want and len(gathered.columns()) == 4
+    assert list(PromptEntries(3, k).columns()) == [None] and list(PromptEntries(0, k).columns()) == [None]
+    with pytest.raises(AssertionError):
+        gathered.append(rows(entries[:1], np.float64))  # past the prompt's rows
