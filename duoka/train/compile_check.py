@@ -36,6 +36,10 @@ from duoka.models.qwen2.rope import rope_cos_sin
 # The check's input: two rows of two documents each, long enough for every attention kernel.
 CHECK_BATCH, CHECK_SEQ = 2, 64
 CAUSE_CHARS = 240  # of the error's message in the one-line warning; the whole error goes to a file
+# A model this narrow (the debug flavors) is checked with a block of its own size, a few hundred
+# KB: the check's compiled graph is then the one its whole-block compiles (pipeline stages) find
+# in the compile cache (a CPU pp2 run's first step: 27 -> 9 s after the check).
+OWN_SIZE_MAX_DIM = 256
 
 
 def compile_wanted(choice: bool | str, device: torch.device, ep: int = 1, cp: int = 1) -> bool:
@@ -65,7 +69,10 @@ def failing_ranks(text: str, world: int) -> set[int]:
 
 def check_args(args: ModelArgs) -> ModelArgs:
     """A block with the model's attention shape (head width, query heads per KV head) and a
-    single KV head: the same kernels as the model's blocks, at a size any device holds."""
+    single KV head: the same kernels as the model's blocks, at a size any device holds (a
+    model of width OWN_SIZE_MAX_DIM or less: its own block)."""
+    if args.dim <= OWN_SIZE_MAX_DIM:
+        return args
     ratio, head_dim = args.n_heads // args.n_kv_heads, args.resolved_head_dim
     return args.replace(n_heads=ratio, n_kv_heads=1, head_dim=head_dim, dim=ratio * head_dim,
                         intermediate_size=2 * ratio * head_dim)

@@ -60,6 +60,8 @@ def test_the_check_keeps_the_models_attention_shape():
         assert small.resolved_head_dim == args.resolved_head_dim
         assert small.n_heads // small.n_kv_heads == args.n_heads // args.n_kv_heads
         assert small.dim <= 1024  # a block of a few MB whatever the model
+    # The debug model's own block: its compiled graph is the one the model's blocks then reuse.
+    assert check_args(FLAVORS["debug"]) == FLAVORS["debug"] and check_args(FLAVORS["qwen2-7b"]).n_kv_heads == 1
 
 
 def test_a_missing_compiler_is_caught_and_named(tmp_path, monkeypatch):
