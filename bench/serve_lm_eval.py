@@ -44,8 +44,10 @@ import cProfile
 import gzip
 import io
 import json
+import os
 import pstats
 import random
+import resource
 import re
 import sys
 import time
@@ -148,21 +150,49 @@ def prompt_tokens_computed(url: str) -> float | None:
     return float(found.group(1)) if found else None
 
 
+def process_cpu_seconds(root: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of process root and each of its descendants, by
+    "pid command" (Linux /proc; a process gone meanwhile is left out)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                text = (entry / "stat").read_text()
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+            stats[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick, command)
+    tree, found = {root}, True
+    while found:
+        found = {pid for pid, (ppid, _, _) in stats.items() if ppid in tree and pid not in tree}
+        tree |= found
+    return {f"{pid} {stats[pid][2][:80]}": stats[pid][1] for pid in sorted(tree) if pid in stats}
+
+
 def run_duoka(folder: Path, tasks: Path, serve_args: list[str], batch_size: int, concurrent: int) -> dict:
+    """lm-eval against duoka serve; also the CPU seconds of lm-eval's own process (the client:
+    tokenizing, requests, parsing the answers) and of the server's processes in that time."""
     server = StartedServer(str(folder), ["--served-model-name", "model", *serve_args], START_TIMEOUT_S, log)
     try:
         before = prompt_tokens_computed(server.url)
         lm = LocalCompletionsAPI(model="model", base_url=server.url + "/v1/completions", tokenizer=str(folder),
                                  tokenizer_backend="huggingface", batch_size=batch_size, num_concurrent=concurrent,
                                  max_length=4096, timeout=3600)
+        client0, server0 = resource.getrusage(resource.RUSAGE_SELF), process_cpu_seconds(server.proc.pid)
         seconds, results = evaluate(lm, tasks)
+        client1, server1 = resource.getrusage(resource.RUSAGE_SELF), process_cpu_seconds(server.proc.pid)
         server.check_alive()
         after = prompt_tokens_computed(server.url)
     finally:
         server.stop()
+    client = client1.ru_utime + client1.ru_stime - client0.ru_utime - client0.ru_stime
     return {"seconds": seconds, "acc": results["results"][TASK]["acc,none"], "batch_size": batch_size,
             "num_concurrent": concurrent, "serve_args": serve_args,
             "prompt_tokens_computed": None if before is None or after is None else after - before,
+            "client_cpu_s": client,
+            "server_cpu_s": {name: round(value - server0.get(name, 0.0), 2) for name, value in server1.items()},
             "loglikelihoods": loglikelihoods(results)}
 
 
