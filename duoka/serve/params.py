@@ -283,5 +283,5 @@ class RequestOutput:
     """Prompt tokens served from the prefix cache."""
     prompt_logprobs: Sequence[TokenLogprob | None] | None = None
     """With SamplingParams.prompt_logprobs, on the request's first output only: one entry per
-    prompt token, None for the first (nothing comes before it). A list, or from the engine
-    process columns that read as one (serve/logprob_columns.py)."""
+    prompt token, None for the first (nothing comes before it): columns of numbers that read as
+    that list of TokenLogprob (serve/logprob_columns.py; list() makes one)."""
