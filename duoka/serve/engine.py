@@ -24,8 +24,8 @@ from duoka.errors import DuokaError
 from duoka.serve.blocks import BlockManager
 from duoka.serve.config import EngineConfig
 from duoka.serve.detok import IncrementalDetokenizer
-from duoka.serve.params import RequestOutput, SamplingParams, TokenLogprob
 from duoka.serve.logprob_columns import PromptEntries
+from duoka.serve.params import RequestOutput, SamplingParams, TokenLogprob
 from duoka.serve.prompt_logprobs import prompt_rows
 from duoka.serve.proposers import check_draft_tokenizer, default_proposer
 from duoka.serve.runner import CacheShape, ModelRunner, decode_first, prepare_inputs

@@ -139,14 +139,13 @@ class PromptEntries:
     def rows(self, start: int, end: int) -> EntryRows:
         """Entries start..end - 1 (views)."""
         assert 0 <= start <= end <= self.count, (start, end, self.count)
+        if self._columns is None:  # none yet (block 0 of a 1-token block size holds no entry)
+            ints, floats = np.empty(0, np.int64), np.empty(0, np.float64)
+            return EntryRows(ints, floats, ints, np.empty((0, self.k), np.int64), np.empty((0, self.k), np.float64))
         return EntryRows(*(column[start:end] for column in self._columns))
 
     def columns(self) -> PromptLogprobColumns:
         """[None, entry 1, ...]: the prompt's logprobs as the request's output carries them."""
-        if self._columns is None:
-            empty = np.empty(0, np.int64)
-            return PromptLogprobColumns(empty, np.empty(0, np.float64), empty, np.zeros(1, np.int64), empty,
-                                        np.empty(0, np.float64))
         n, k = self.count, self.k
         ids, logprobs, ranks, top_ids, top_values = self.rows(0, n)
         return PromptLogprobColumns(ids.copy(), logprobs.copy(), ranks.copy(), np.arange(n + 1, dtype=np.int64) * k,

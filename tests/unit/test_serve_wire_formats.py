@@ -88,5 +88,6 @@ def test_prompt_entries_gathered_in_pieces_read_as_the_entries(k):
                                             [(t, float(np.float32(v))) for t, v in entries[2].top], 2)]
     assert list(gathered.columns()) == want and len(gathered.columns()) == 4
     assert list(PromptEntries(3, k).columns()) == [None] and list(PromptEntries(0, k).columns()) == [None]
+    assert PromptEntries(0, k).rows(0, 0).top_ids.shape == (0, k)  # a block of one token: block 0 has no entry
     with pytest.raises(AssertionError):
         gathered.append(rows(entries[:1], np.float64))  # past the prompt's rows
