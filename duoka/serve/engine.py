@@ -24,7 +24,6 @@ from duoka.errors import DuokaError
 from duoka.serve.blocks import BlockManager
 from duoka.serve.config import EngineConfig
 from duoka.serve.detok import IncrementalDetokenizer
-from duoka.serve.logprob_columns import PromptEntries
 from duoka.serve.params import RequestOutput, SamplingParams, TokenLogprob
 from duoka.serve.prompt_logprobs import prompt_rows
 from duoka.serve.proposers import check_draft_tokenizer, default_proposer
@@ -198,9 +197,9 @@ class LLMEngine:
         self._aborted: list[RequestOutput] = []
         # The launched step: (batch, sampled request ids, PendingSample or None, PendingPromptLogprobs or None).
         self._in_flight: tuple | None = None
-        # Requests with prompt_logprobs, until their first output: their prompt rows' entries so
-        # far. Empty (the common case), a step looks for no prompt rows.
-        self._prompt_logprobs: dict[str, PromptEntries] = {}
+        # Requests with prompt_logprobs, until their first output (their entries gather on their
+        # Sequence). Empty (the common case), a step looks for no prompt rows.
+        self._scoring: set[str] = set()
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._preemptions = 0
@@ -224,8 +223,8 @@ class LLMEngine:
         sibling = self._requests.get(after)[0] if after in self._requests else None
         seq = Sequence(request_id, list(prompt_ids), params, adapter=self.adapter_index(lora), after=sibling)
         detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, stop=params.stop)
-        if params.prompt_logprobs is not None:  # the Sequence's own list: the block manager reads and fills it too
-            self._prompt_logprobs[request_id] = seq.prompt_logprob_entries
+        if params.prompt_logprobs is not None:
+            self._scoring.add(request_id)
         if params.structured is not None:
             self.grammars.submit(request_id, params.structured)
             self._compiling.append(seq)
@@ -253,7 +252,7 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.forget(request_id)
         self.grammars.drop(request_id)
-        self._prompt_logprobs.pop(request_id, None)
+        self._scoring.discard(request_id)
         if seq in self._compiling:
             self._compiling.remove(seq)
         self._aborted.append(RequestOutput(request_id, [], "", None, True, "abort", seq.num_prompt_tokens,
@@ -303,7 +302,7 @@ class LLMEngine:
                 rows.append(row)
                 ids.append(seq.request_id)
         self._prompt_tokens += prompt_tokens
-        prompt = prompt_rows(items) if self._prompt_logprobs else None
+        prompt = prompt_rows(items) if self._scoring else None
         # Speculation stays out of a step that scores prompt rows (their rows follow the plain layout).
         spec = self.speculator.plan(items) if self.speculator is not None and prompt is None else None
         if spec is not None:
@@ -349,7 +348,7 @@ class LLMEngine:
         if scored is not None:
             for span, entries in scored.result():
                 if span.seq.status is SeqStatus.RUNNING:  # not aborted since
-                    self._prompt_logprobs[span.seq.request_id].append(entries)
+                    span.seq.prompt_logprob_entries.append(entries)
         self._generation_tokens += len(sampled)
         # A request that generates nothing lands once, without a token, when its prompt is done.
         landed = []
@@ -404,7 +403,7 @@ class LLMEngine:
             except DuokaError as e:
                 self.log(f"duoka: request {seq.request_id}: {e.cause}")
                 self._requests.pop(seq.request_id, None)
-                self._prompt_logprobs.pop(seq.request_id, None)
+                self._scoring.discard(seq.request_id)
                 self.grammars.drop(seq.request_id)
                 outputs.append(RequestOutput(seq.request_id, [], "", None, True, "abort", seq.num_prompt_tokens, 0, 0))
                 continue
@@ -443,7 +442,7 @@ class LLMEngine:
                 self.speculator.forget(seq.request_id)
         prompt_logprobs = None
         if seq.params.prompt_logprobs is not None and len(seq.output_ids) <= len(tokens):  # its first output
-            self._prompt_logprobs.pop(seq.request_id, None)
+            self._scoring.discard(seq.request_id)
             prompt_logprobs = seq.prompt_logprob_entries.columns()
         return RequestOutput(seq.request_id, tokens, text, logprobs, finished, seq.finish_reason, len(seq.prompt_ids),
                              len(seq.output_ids), seq.num_cached_tokens, prompt_logprobs)
