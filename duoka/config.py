@@ -329,6 +329,8 @@ class DebugConfig:
                                         "where it is; steps are meant to have none, so the host runs ahead.")
     inject_nan_step: int = opt(0, "Fault injection for tests: step N's loss (1-based) is NaN on every rank. 0: off.",
                                min=0)
+    inject_nan_count: int = opt(1, "Fault injection for tests: with inject_nan_step=N, steps N to N + this - 1 are "
+                                   "NaN (a run that stays diverged, on every machine alike).", min=1)
     fail_compile_ranks: str = opt("", "Fault injection for tests: the compile check (training.compile) fails on these "
                                       "ranks, comma-separated, or `all`: every rank must then warn once and train "
                                       "uncompiled.")

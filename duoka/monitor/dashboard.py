@@ -106,10 +106,13 @@ def run_view(records: list[dict], title: str):
         return Text(f"{title}: no step finished yet", style="dim")
     r = records[-1]
     mfu = "-" if r.get("mfu") is None else f"{r['mfu']:.1%}"
+    # The title (a run folder's path, any length) on a line of its own and the figures in two lines
+    # of under 80 columns: a wrap never parts a label from its value ("step" from "7").
     head = Text.assemble(
-        (f"{title}  ", "bold"),  # loss and norm are null when NaN or infinite
+        (f"{title}\n", "bold"),  # loss and norm are null when NaN or infinite
         f"step {r['step']}  loss {_num(r['loss'], '{:.4f}')}  grad norm {_num(r['grad_norm'], '{:.3f}')}  ",
-        f"lr {r['lr']:.2e}  {r['tokens_per_s']:,.0f} tok/s ({r['tokens_per_s_per_gpu']:,.0f}/GPU)  MFU {mfu}  ",
+        f"lr {r['lr']:.2e}  MFU {mfu}\n",
+        f"{r['tokens_per_s']:,.0f} tok/s ({r['tokens_per_s_per_gpu']:,.0f}/GPU)  ",
         f"step {r['step_time_s'] * 1e3:.0f} ms  data wait {r['data_time_s'] * 1e3:.1f} ms")
     phases = r.get("phase_s", {})
     breakdown = Text("step breakdown: " + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in phases.items()),

@@ -41,7 +41,7 @@ class Health:
     `raise_if_failing` after it is published; `check_weights` and `healthy` for saves."""
 
     def __init__(self, cfg: ReliabilityConfig, inject_nan_step: int, model: torch.nn.Module, run_dir: Path,
-                 device: torch.device, counted: bool, start_step: int):
+                 device: torch.device, counted: bool, start_step: int, inject_nan_count: int = 1):
         self.max_in_row, self.run_dir, self.device, self.counted = cfg.max_nonfinite_steps, run_dir, device, counted
         self.zscore, self.window, self.skip_spikes = cfg.spike_zscore, cfg.spike_window, cfg.skip_spikes
         self.history: list[tuple[int, float]] = []  # (step, loss) of the latest steps with a finite loss
@@ -54,16 +54,16 @@ class Health:
         self.last_troubled = -1  # the last troubled step
         self._launched = start_step  # steps whose update was decided: the next forward is step _launched + 1
         self._pending: dict[int, tuple] = {}  # step -> (skip flag in host memory, spike statistics or None)
-        self.inject_nan_step = inject_nan_step
+        self.inject_nan_steps = range(inject_nan_step, inject_nan_step + inject_nan_count if inject_nan_step else 0)
         if inject_nan_step:
-            # debug.inject_nan_step: the final norm's output is NaN for that step, on every rank,
+            # debug.inject_nan_step (and _count): the final norm's output is NaN for those steps, on every rank,
             # so its loss and (through the backward) every gradient are NaN, as in a real blow-up.
             for name, module in model.named_modules():
                 if name.split(".")[-1] == "norm":
                     module.register_forward_hook(self._inject_nan)
 
     def _inject_nan(self, module, inputs, output):
-        return output * math.nan if self._launched + 1 == self.inject_nan_step else output
+        return output * math.nan if self._launched + 1 in self.inject_nan_steps else output
 
     # ------------------------------------------------------------------ before the optimizer step
 

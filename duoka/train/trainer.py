@@ -126,7 +126,7 @@ class Trainer:
         self.start_step, self.tokens_seen = spec.resume_step, 0
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, device, spec.tokenizer_files, self.console)
         self.health = Health(cfg.reliability, cfg.debug.inject_nan_step, self.model, self.run_dir, device,
-                             self.counts_for_metrics, self.start_step)
+                             self.counts_for_metrics, self.start_step, cfg.debug.inject_nan_count)
         if spec.resume_from:
             self._resume(Path(spec.resume_from))
         peak = peak_flops(torch.cuda.get_device_name(device) if device.type == "cuda" else None,

@@ -48,9 +48,12 @@ def injected(duoka, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def diverged(duoka, tmp_path_factory):
-    run = tmp_path_factory.mktemp("lr") / "run"
+    """A run whose loss is NaN from step 4 on. (An lr of 1e6 diverged after healthy steps on the
+    machines before and at step 2 on another, leaving no healthy checkpoint to name: injected, every
+    machine agrees.)"""
+    run = tmp_path_factory.mktemp("diverged") / "run"
     proc = duoka("train", f"--job.output_dir={run}", *TINY, "--training.steps=8", "--checkpoint.keep=1",
-                 "--optimizer.lr=1e6", "--optimizer.warmup_steps=0")
+                 "--debug.inject_nan_step=4", "--debug.inject_nan_count=8")
     return run, proc
 
 

@@ -181,9 +181,13 @@ def test_checkpoints_round_trip_through_transformers(hf_moe, tmp_path):
     assert from_hf_config(to_hf_config(ours.args)) == ours.args
     out = save_hf_checkpoint(ours, tmp_path / "one")
     back = Qwen2MoeForCausalLM.from_pretrained(out, experts_implementation="eager").eval()
+    # Against transformers' own load of the original folder: since transformers 5.25 a loaded
+    # model's logits differ from the in-memory one it was saved from by ~5e-7, weights equal.
+    source = Qwen2MoeForCausalLM.from_pretrained(folder, experts_implementation="eager").eval()
     t = tokens()
     with torch.no_grad():
-        assert torch.equal(back(t).logits, hf(t).logits)
+        assert torch.equal(back(t).logits, source(t).logits)
+        assert (back(t).logits - hf(t).logits).abs().max().item() <= 1e-5
     assert back.config.num_experts == 4 and back.config.decoder_sparse_step == 2
 
     sharded = save_hf_checkpoint(ours, tmp_path / "sharded", max_shard_size="20KB")

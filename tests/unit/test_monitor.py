@@ -320,6 +320,7 @@ def test_monitor_once_into_a_pipe_at_80_columns_and_wide(tmp_path, in_process, m
     piped = in_process("monitor", str(run), "--once")
     assert piped.returncode == 0, piped.stderr
     assert "…" not in piped.stdout and len(rank_rows(piped.stdout)) == 8, piped.stdout
+    assert "\nstep 7  loss 2.5000" in piped.stdout and "MFU 40.0%" in piped.stdout  # labels beside their values
     assert max(len(line.rstrip()) for line in piped.stdout.splitlines()) <= 80, piped.stdout
     monkeypatch.setenv("COLUMNS", "200")  # a wide terminal: every column, full headers, nothing left out
     wide = in_process("monitor", str(run), "--once")
