@@ -484,6 +484,28 @@ def capture_graph(forward, pool):
     return graph, out, graph.pool()
 
 
+def profile_step(model: Qwen2, kv_heads: int, tokens: int, rows: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device, max_model_len: int, backend: str | None = None) -> torch.Tensor:
+    """The logits of one prefill of `tokens` (the scheduler's largest step), `rows` of them, on a
+    runner of its own whose cache just holds it: the peak it leaves is counted before the serving
+    cache is sized. Called outside inference mode, as the serving runner is made: caches made in
+    it would be inference tensors, whose dispatch keys the compiled blocks guard on, and this
+    step a compiled variant of its own (bench/NOTES.md 41)."""
+    blocks = -(-tokens // block_size)
+    args = model.args
+    shape = CacheShape(args.n_layers, blocks, block_size, kv_heads, args.resolved_head_dim, dtype)
+    runner = ModelRunner(model, shape, device, max_model_len, cuda_graphs=False, backend=backend)
+    with torch.inference_mode():  # inference tensors, as a step's inputs are once copied to the device
+        inputs = StepInputs(
+            token_ids=torch.zeros(tokens, dtype=torch.long), positions=torch.arange(tokens),
+            slot_mapping=torch.arange(tokens), block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+            context_lens=torch.tensor([tokens], dtype=torch.int32),
+            query_start=torch.tensor([0, tokens], dtype=torch.int32),
+            logits_indices=torch.arange(tokens - min(tokens, rows), tokens), max_query_len=tokens,
+            num_decodes=0, max_context_len=tokens, prefill_context=tokens)
+    return runner.execute(inputs)
+
+
 def cache_shape(model: Qwen2, kv_heads: int, block_size: int, dtype: torch.dtype, kv_bytes: int,
                 max_model_len: int, max_num_seqs: int, num_blocks: int | None = None,
                 extra_bytes_per_block: int = 0) -> CacheShape:

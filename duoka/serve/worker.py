@@ -44,7 +44,7 @@ from duoka.serve.quant_load import (
     read_scheme,
     weight_bytes,
 )
-from duoka.serve.runner import CacheShape, ModelRunner, StepInputs, available_kv_bytes, cache_shape
+from duoka.serve.runner import CacheShape, ModelRunner, StepInputs, available_kv_bytes, cache_shape, profile_step
 from duoka.serve.sampling import PendingSample, Sampler, SampleRow, TokenMasks
 from duoka.serve.step_channel import broadcast_step, step_group, worker_loop
 from duoka.serve.tp_shard import (
@@ -260,7 +260,6 @@ class Worker:
             kv_bytes = int(least.item())
         return kv_bytes
 
-    @torch.inference_mode()
     def _profile(self) -> None:
         """On GPU, run the largest step the scheduler can make (a full token budget, logits for
         max_num_seqs rows) so that the peak it leaves is counted before the cache is sized. Every
@@ -269,30 +268,19 @@ class Worker:
             return
         config = self.config
         tokens = min(config.max_num_batched_tokens, self.max_model_len)
-        blocks = -(-tokens // config.block_size)
         # Logits rows: one per sequence, or under speculation K + 1 per speculating sequence.
         rows = config.max_num_seqs
         if config.speculation is not None:
             speculating = min(config.max_num_seqs, config.speculative_disable_by_batch_size)
             rows = max(rows, speculating * (config.num_speculative_tokens + 1))
-        args = self.model.args
-        shape = CacheShape(args.n_layers, blocks, config.block_size, args.n_kv_heads, args.resolved_head_dim,
-                           self.dtype)
-        runner = ModelRunner(self.model, shape, self.device, self.max_model_len, cuda_graphs=False)
-        inputs = StepInputs(
-            token_ids=torch.zeros(tokens, dtype=torch.long), positions=torch.arange(tokens),
-            slot_mapping=torch.arange(tokens), block_tables=torch.arange(blocks, dtype=torch.int32)[None],
-            context_lens=torch.tensor([tokens], dtype=torch.int32), query_start=torch.tensor([0, tokens], dtype=torch.int32),
-            logits_indices=torch.arange(tokens - min(tokens, rows), tokens), max_query_len=tokens,
-            num_decodes=0, max_context_len=tokens, prefill_context=tokens)
+        logits = profile_step(self.model, self.model.args.n_kv_heads, tokens, rows, config.block_size, self.dtype,
+                              self.device, self.max_model_len)
         # The sampler's worst case too: every row with top-k and top-p sorts the vocabulary, and the
         # bias and penalties keep a processed copy of the logits beside the model's (the penalties
         # run only on rows with tokens to count: one of prompt and one of output).
         worst = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1,
                                frequency_penalty=0.5, logit_bias={0: 1.0}, logprobs=MAX_LOGPROBS)
-        logits = runner.execute(inputs)
         self.sampler.sample(logits, [SampleRow(worst, 0, 0, [0], [0]) for _ in range(len(logits))])
-        del runner
         torch.cuda.synchronize(self.device)
 
     # ---------------------------------------------------------------- steps

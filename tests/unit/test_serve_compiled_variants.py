@@ -40,7 +40,8 @@ def _run() -> dict:
     from duoka.models.qwen2.model import ModelOptions, materialize
     from duoka.serve import runner as runner_module
     from duoka.serve.params import SamplingParams
-    from duoka.serve.runner import CacheShape, ModelRunner, StepInputs, decode_first, prepare_inputs
+    from duoka.serve.runner import (CacheShape, ModelRunner, StepInputs, decode_first, prepare_inputs,
+                                    profile_step)
     from duoka.serve.scheduler import ScheduledItem, Sequence
 
     torch.compile = functools.partial(torch.compile, backend="aot_eager")
@@ -63,17 +64,7 @@ def _run() -> dict:
         # First the worker's profiled step (Worker._profile): one sequence of a whole budget, on
         # a runner of its own whose cache is just large enough. The budget equals the target's
         # hidden size: duck sizing would tie the two, and every other length compile anew.
-        n = 128
-        profile = ModelRunner(model, CacheShape(args.n_layers, n // BLOCK, BLOCK, args.n_kv_heads,
-                                                args.resolved_head_dim, torch.float32),
-                              torch.device("cpu"), 512, cuda_graphs=False, backend="cuda")
-        with torch.inference_mode():
-            profile.execute(StepInputs(
-                token_ids=torch.zeros(n, dtype=torch.long), positions=torch.arange(n), slot_mapping=torch.arange(n),
-                block_tables=torch.arange(n // BLOCK, dtype=torch.int32)[None],
-                context_lens=torch.tensor([n], dtype=torch.int32), query_start=torch.tensor([0, n], dtype=torch.int32),
-                logits_indices=torch.arange(n - 4, n), max_query_len=n, num_decodes=0, max_context_len=n,
-                prefill_context=n))
+        profile_step(model, args.n_kv_heads, 128, 4, BLOCK, torch.float32, torch.device("cpu"), 512, backend="cuda")
         shape = CacheShape(args.n_layers, 200, BLOCK, args.n_kv_heads, args.resolved_head_dim, torch.float32)
         runner = ModelRunner(model, shape, torch.device("cpu"), 512, max_num_seqs=4, cuda_graphs=True,
                              max_num_batched_tokens=128, backend="cuda")
