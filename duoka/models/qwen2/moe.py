@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from duoka.models import moe_gemv
 from duoka.models.qwen2.args import MOE_GEMMS
 
 
@@ -61,15 +62,18 @@ def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, norm_topk_pr
     return Routing(logits, probs, weights.to(logits.dtype), experts)
 
 
+def expert_counts(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[E] int32: how many of the [T, k] chosen experts name each expert. No host synchronisation."""
+    flat = experts.flatten()
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
+    return counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+
+
 def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(order, counts) for the [T, k] chosen experts: `order` [T * k] lists the flattened
     (token, slot) pairs grouped by expert, in token order within a group (a stable sort);
-    `counts` [E] int32 the size of each group. No host synchronisation."""
-    flat = experts.flatten()
-    order = torch.argsort(flat, stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    return order, counts
+    `counts` [E] int32 the size of each group (expert_counts)."""
+    return torch.argsort(experts.flatten(), stable=True), expert_counts(experts, num_experts)
 
 
 def _cuda_grouped_mm_capable(index: int) -> bool:
@@ -150,10 +154,34 @@ class GroupedExperts(nn.Module):
         return expert_swiglu(x, w1, w3, w2, counts, grouped)
 
 
+@torch.library.custom_op("duoka::expert_gemv", mutates_args=())
+def _expert_gemv_op(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
+                    w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return moe_gemv.expert_gemv(x, experts, weights, w1, w3, w2)
+
+
+@_expert_gemv_op.register_fake
+def _(x, experts, weights, w1, w3, w2):
+    return torch.empty_like(x)
+
+
+def one_token_gemv(x: torch.Tensor, experts: GroupedExperts) -> bool:
+    """Whether x's experts run as moe_gemv's Triton GEMVs: one token (batch-1 decode, where the
+    grouped GEMM leaves most SMs idle), no autograd or autocast, plain weights, the default gemm;
+    on CUDA, or on CPU tensors under Triton's interpreter (the tests). A compiled block's
+    one-token variant is specialised already, so the test adds no variant."""
+    return (x.shape[0] == 1 and experts.gemm == "auto" and moe_gemv.available()
+            and (x.is_cuda or moe_gemv.INTERPRETED) and not torch.is_grad_enabled()
+            and not torch.is_autocast_enabled(x.device.type) and not isinstance(experts.w1, DTensor))
+
+
 def routed_experts(x: torch.Tensor, routing: Routing, experts: GroupedExperts) -> tuple[torch.Tensor, torch.Tensor]:
     """The routed experts' output for x [T, dim], dropless: [T, dim] and the per-expert
     assignment counts [E] int32."""
     n_tokens, k = routing.experts.shape
+    if one_token_gemv(x, experts):
+        out = _expert_gemv_op(x, routing.experts, routing.weights, experts.w1, experts.w3, experts.w2)
+        return out, expert_counts(routing.experts, experts.w1.shape[0])
     order, counts = sort_by_expert(routing.experts, experts.w1.shape[0])
     y = experts(x[order // k], counts)  # [T * k, dim], grouped by expert
     # Back to (token, slot) order: a permutation, so every row is written once.
