@@ -254,7 +254,13 @@ def test_guidellm_agrees_on_output_throughput(server):
     of 0.87-1.05, and beside two busy processes 0.82-0.87 and 1.14, as one client ran alone
     while the other started. Ours now starts once guidellm's first request is in (check): beside
     two busy processes 1.00-1.03. The 20% stays for a loaded machine's drift within a run; it
-    still catches a client that counts wrongly (text events instead of tokens gave a 37x error)."""
+    still catches a client that counts wrongly (text events instead of tokens gave a 37x error).
+
+    On a slower 2-core machine with other work running, guidellm took 85 s for what ours did in
+    52 (1.61x) while both read the same streams alike (inter-token median 23.9 against 24.2 ms,
+    first token 102 against 102 ms): its own time between requests, not the server. So the
+    streams' cadence is held to 20% and the whole-run rate to a factor of 2, which still
+    catches the 37x miscount."""
     sys.path.insert(0, str(ROOT))
     from bench.serve_guidellm_check import check, find_guidellm
 
@@ -263,6 +269,8 @@ def test_guidellm_agrees_on_output_throughput(server):
         pytest.skip("guidellm is not installed (pip install guidellm, or set $GUIDELLM to its executable)")
     with clients_on(CLIENT_CPUS):
         r = check(server, MODEL, MODEL, guidellm, requests=32, prompt_len=32, out_len=128, concurrency=2,
-                  tolerance=0.20, workers=1)
+                  tolerance=1.0, workers=1)
     assert r["guidellm"]["requests"] == {"successful": 32, "errored": 0, "incomplete": 0, "total": 32}
-    assert r["agree"], json.dumps(r, indent=1)
+    assert r["agree"] and r["ratio_ours_over_guidellm"] >= 0.5, json.dumps(r, indent=1)  # every token, within 2x
+    itl = r["guidellm"]["itl_ms_median"] / r["duoka_bench_serve"]["itl_ms"]["median"]
+    assert abs(itl - 1) <= 0.20, json.dumps(r, indent=1)
