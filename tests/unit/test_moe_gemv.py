@@ -56,7 +56,7 @@ def _kernel_cases(device: str) -> list[float]:
 
 def _layer(device: str) -> dict:
     """A MoE layer on one token: inference takes the kernels (counted), training the grouped
-    path; eager and compiled (aot_eager, dynamic sizes) alike."""
+    path; eager and compiled (aot_eager, whole graph) alike."""
     from duoka.models import moe_gemv
     from duoka.models.qwen2.args import ModelOptions
     from duoka.models.qwen2.model import FeedForward
@@ -76,12 +76,16 @@ def _layer(device: str) -> dict:
     with torch.no_grad():
         got, stats = layer(x)
         eager_calls = len(calls)
-        compiled = torch.compile(layer, backend="aot_eager", dynamic=True)  # fp32 experts: a loop, with a break
-        compiled_out, _ = compiled(x)
-        compiled(torch.randn(3, 48, device=device))  # three tokens: the grouped path, in the same compiled code
+        # fullgraph, as serving compiles its blocks: the path's test and the op leave no graph break
+        compiled_out, _ = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=True)(x)
+        # In bf16 (grouped_mm compiles there) one token, then three in the same compiled code.
+        half = layer.to(torch.bfloat16)
+        both = torch.compile(half, backend="aot_eager", fullgraph=True, dynamic=True)
+        three = torch.randn(3, 48, device=device, dtype=torch.bfloat16)
+        bf16_errors = [(both(t)[0] - half(t)[0]).abs().max().item() for t in (x.to(torch.bfloat16), three)]
     return {"eager_calls": eager_calls, "compiled_calls": len(calls) - eager_calls,
             "error": (got - want).abs().max().item(), "compiled_error": (compiled_out - want).abs().max().item(),
-            "counts_equal": torch.equal(stats.expert_counts, want_stats.expert_counts)}
+            "counts_equal": torch.equal(stats.expert_counts, want_stats.expert_counts), "bf16_errors": bf16_errors}
 
 
 def _run(device: str = "cpu") -> dict:
@@ -100,9 +104,11 @@ def test_the_kernels_equal_the_experts_one_by_one(result):
 
 def test_a_layer_on_one_token_takes_them_without_autograd(result):
     layer = result["layer"]
-    assert layer["eager_calls"] == 1 and layer["compiled_calls"] == 1, layer  # once a call, one token only
+    # Once in each one-token call (eager, compiled fp32, compiled and eager bf16), never for three tokens.
+    assert layer["eager_calls"] == 1 and layer["compiled_calls"] == 3, layer
     assert layer["error"] <= 1e-5 and layer["compiled_error"] <= 1e-5, layer
     assert layer["counts_equal"], layer
+    assert max(layer["bf16_errors"]) <= 1e-6, layer  # compiled as eager, the same kernels
 
 
 if __name__ == "__main__":
