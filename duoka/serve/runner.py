@@ -484,8 +484,8 @@ def capture_graph(forward, pool):
     return graph, out, graph.pool()
 
 
-def profile_step(model: Qwen2, kv_heads: int, tokens: int, rows: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, max_model_len: int, backend: str | None = None) -> torch.Tensor:
+def profile_step(model: Qwen2, tokens: int, rows: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 max_model_len: int, backend: str | None = None) -> torch.Tensor:
     """The logits of one prefill of `tokens` (the scheduler's largest step), `rows` of them, on a
     runner of its own whose cache just holds it: the peak it leaves is counted before the serving
     cache is sized. Called outside inference mode, as the serving runner is made: caches made in
@@ -493,7 +493,7 @@ def profile_step(model: Qwen2, kv_heads: int, tokens: int, rows: int, block_size
     step a compiled variant of its own (bench/NOTES.md 41)."""
     blocks = -(-tokens // block_size)
     args = model.args
-    shape = CacheShape(args.n_layers, blocks, block_size, kv_heads, args.resolved_head_dim, dtype)
+    shape = CacheShape(args.n_layers, blocks, block_size, args.n_kv_heads, args.resolved_head_dim, dtype)
     runner = ModelRunner(model, shape, device, max_model_len, cuda_graphs=False, backend=backend)
     with torch.inference_mode():  # inference tensors, as a step's inputs are once copied to the device
         inputs = StepInputs(

@@ -273,8 +273,7 @@ class Worker:
         if config.speculation is not None:
             speculating = min(config.max_num_seqs, config.speculative_disable_by_batch_size)
             rows = max(rows, speculating * (config.num_speculative_tokens + 1))
-        logits = profile_step(self.model, self.model.args.n_kv_heads, tokens, rows, config.block_size, self.dtype,
-                              self.device, self.max_model_len)
+        logits = profile_step(self.model, tokens, rows, config.block_size, self.dtype, self.device, self.max_model_len)
         # The sampler's worst case too: every row with top-k and top-p sorts the vocabulary, and the
         # bias and penalties keep a processed copy of the logits beside the model's (the penalties
         # run only on rows with tokens to count: one of prompt and one of output).

@@ -64,7 +64,7 @@ def _run() -> dict:
         # First the worker's profiled step (Worker._profile): one sequence of a whole budget, on
         # a runner of its own whose cache is just large enough. The budget equals the target's
         # hidden size: duck sizing would tie the two, and every other length compile anew.
-        profile_step(model, args.n_kv_heads, 128, 4, BLOCK, torch.float32, torch.device("cpu"), 512, backend="cuda")
+        profile_step(model, 128, 4, BLOCK, torch.float32, torch.device("cpu"), 512, backend="cuda")
         shape = CacheShape(args.n_layers, 200, BLOCK, args.n_kv_heads, args.resolved_head_dim, torch.float32)
         runner = ModelRunner(model, shape, torch.device("cpu"), 512, max_num_seqs=4, cuda_graphs=True,
                              max_num_batched_tokens=128, backend="cuda")
