@@ -70,10 +70,13 @@ class StepInputs:
 
     @classmethod
     def unpack(cls, packed: torch.Tensor, sizes: tuple[int, ...], scalars: dict[str, int]) -> StepInputs:
-        """The inverse of packed(), on packed's device."""
+        """The inverse of packed(), on packed's device. Each array gets storage of its own, as
+        prepare_inputs' arrays and the graphs' buffers have: a view into `packed` starts at an
+        offset, and the compiled blocks guard on whether offsets are 0, which made a step from the
+        device copy and a graph's capture two compiled variants (bench/NOTES.md 43)."""
         shapes = array_shapes(*sizes)
         parts = packed.split([math.prod(shape) for shape in shapes])
-        arrays = {name: part.view(shape).to(dtype)
+        arrays = {name: part.view(shape).to(dtype, copy=True)
                   for (name, dtype), part, shape in zip(ARRAY_DTYPES.items(), parts, shapes)}
         if not sizes[4]:
             arrays["adapter_ids"] = None

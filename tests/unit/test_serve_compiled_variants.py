@@ -51,6 +51,9 @@ def _run() -> dict:
         return None, out, None
 
     runner_module.capture_graph = capture
+    # A step's inputs reach a GPU packed in one copy (StepInputs.to); on the CPU they stay as
+    # made. Packed here too, so the arrays the blocks see are the GPU's.
+    StepInputs.to = lambda self, device: StepInputs.unpack(self.packed().clone(), self.sizes(), self.scalars())
     # Flash attention, which the CPU lacks, for the eager prefill chunks: their values are not
     # what this counts (test_paged_attention checks them).
     paged_module.causal_varlen = lambda q, *rest: torch.zeros_like(q)
