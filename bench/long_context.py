@@ -72,10 +72,12 @@ def yarn_folder(model: str, root: str, seq: int) -> Path:
 
 
 def summarise(run: dict) -> dict:
-    """An out-of-memory failure as one line; other results unchanged."""
+    """An out-of-memory failure (duoka's report or torch's exception) as one line; other results
+    unchanged."""
     error = run.get("error", "")
-    if "out of memory" in error.lower() or "OutOfMemoryError" in error:
-        return {"error": "out of memory: " + error.strip().splitlines()[-1][:300]}
+    if "CUDA out of memory" in error or "OutOfMemoryError" in error:
+        line = next(x for x in error.splitlines() if "CUDA out of memory" in x or "OutOfMemoryError" in x)
+        return {"error": "out of memory: " + line.strip()[:300]}
     return run
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -51,15 +53,17 @@ def run_duoka(model: str, layout: str, mbs: int, seq: int, steps: int, warmup: i
            "--data.path=random", f"--training.seq_len={seq}", f"--training.micro_batch_size={mbs}",
            f"--training.global_batch_size={mbs * n}", f"--training.steps={steps}", "--training.dtype=bf16",
            f"--parallel.dp_mode={layout}", f"--training.compile={str(compile).lower()}",
-           "--checkpoint.interval=0", "--checkpoint.export_final=false", "--metrics.log_interval=5",
+           "--checkpoint.enabled=false", "--checkpoint.export_final=false", "--metrics.log_interval=5",
            "--optimizer.warmup_steps=2", *extra]
     t = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     wall = time.perf_counter() - t
+    metrics = (run / "metrics.jsonl").read_text() if proc.returncode == 0 else ""
+    shutil.rmtree(run.parent, ignore_errors=True)  # a 7B run's folder held a 30 GB checkpoint
     if proc.returncode != 0:
         return {"error": proc.stderr[-1500:]}
-    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()][warmup:]
+    recs = [json.loads(line) for line in metrics.splitlines()][warmup:]
     tokens = sum(r["tokens_per_s"] * r["step_time_s"] for r in recs)
     seconds = sum(r["step_time_s"] for r in recs)
     tps_gpu = tokens / seconds / n
@@ -74,6 +78,14 @@ def run_duoka(model: str, layout: str, mbs: int, seq: int, steps: int, warmup: i
     return result
 
 
+def child_error(output: str) -> str:
+    """The peer's own exception line (torchrun prints it as `[rank0]: SomeError: ...` and then
+    its own traceback, which is all a tail of the output would keep), else the tail."""
+    raised = [line for line in output.splitlines() if re.match(r"(\[rank\d+\]: )?[\w.]+(Error|Exception)\b", line)
+              and "ChildFailedError" not in line]
+    return raised[0][:1500] if raised else output[-1500:]
+
+
 def run_peer(peer: Path, model: str, layout: str, mbs: int, seq: int, steps: int, warmup: int, compile: bool,
              timeout: int, extra: Sequence[str] = ()) -> dict:
     """extra: further peer flags (--optimizer, --layers)."""
@@ -85,7 +97,7 @@ def run_peer(peer: Path, model: str, layout: str, mbs: int, seq: int, steps: int
     wall = time.perf_counter() - t
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
-        return {"error": (proc.stderr or proc.stdout)[-1500:]}
+        return {"error": child_error(proc.stderr or proc.stdout)}
     r = json.loads(lines[-1][len("RESULT "):])
     moe = {k: r[k] for k in ("experts", "aux_loss") if k in r}
     return {"tok_s_gpu": r["tok_s_gpu"], "mfu_pct": r["mfu_pct"], "peak_mem_gib": r["peak_mem_gib"],

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from duoka.errors import DuokaError, file_error
 from duoka.host.lifetime import die_with_launcher, leave_after_return
 from duoka.train.checkpoint_io import find_resume_checkpoint, read_train_state
+from duoka.train.oom_advice import oom_cause, oom_fix
 from duoka.train.run_files import error_report_path, write_error_report
 from duoka.train.spec import RunSpec
 from duoka.train.trainer import Trainer
@@ -148,13 +149,8 @@ def worker_main(spec: RunSpec) -> int | None:
     except DuokaError as e:
         report_error(spec.run_dir, rank, e.cause, e.fix)
         raise SystemExit(2)
-    except torch.OutOfMemoryError:
-        training = spec.cfg.training
-        report_error(spec.run_dir, rank,
-                     f"CUDA out of memory on rank {rank} (micro-batch {training.micro_batch_size}, "
-                     f"seq_len {training.seq_len})",
-                     "lower training.micro_batch_size (or set it to auto), set training.activation_checkpointing="
-                     "full, or shard with parallel.dp_mode=fsdp")
+    except torch.OutOfMemoryError as e:
+        report_error(spec.run_dir, rank, oom_cause(spec.cfg, rank, e), oom_fix(spec.cfg, spec.world_size))
         raise SystemExit(2)
     except Exception as e:
         if (error := file_error(e)) is not None:  # a full disk, a read-only folder: the user's to mend
