@@ -102,6 +102,13 @@ LOSS_PARALLEL_EXTRA_BYTES = 4
 # A pipeline schedule keeps each micro-batch's stage output, here the bf16 logits, until
 # that micro-batch's backward.
 PIPELINE_LOGITS_BYTES = 2
+# training.fused_loss (duoka.models.loss): the head and the loss run over chunks of this many
+# tokens (its CHUNK_TOKENS, compiled), each chunk's bf16 logits and their bf16 gradient alive
+# together; forward keeps the hidden states' gradient (compute dtype) and the head's fp32
+# gradient until backward. Measured: Qwen2-7B at 8K to 64K tokens on one H100, 0.3-3.2% above
+# the estimate (bench/results/long_context.md).
+FUSED_LOSS_CHUNK_TOKENS = 4096
+FUSED_LOSS_BYTES_PER_LOGIT = 2 + 2
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
@@ -429,7 +436,7 @@ class MemoryBreakdown:
 
 def estimate_memory(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: int, activation_checkpointing: bool,
                     accumulation: int = 1, bf16: bool = True, pp_rank: int | None = None,
-                    optimizer: OptimizerChoice = ADAMW) -> MemoryBreakdown:
+                    optimizer: OptimizerChoice = ADAMW, fused_loss: bool = False) -> MemoryBreakdown:
     """Peak memory per GPU of one training step.
 
     accumulation: micro-batches per optimizer step on each rank (under pp, the pipeline's
@@ -437,22 +444,25 @@ def estimate_memory(args: ModelArgs, layout: Layout, micro_batch: int, seq_len: 
     with gradient sync off (the trainer's no-sync accumulation, and the pipeline schedules')
     keeps them unsharded in fp32. pp_rank: the pipeline rank to estimate; None: the one
     with the largest peak. optimizer: optimizer.name / optimizer.offload (AdamW by default).
+    fused_loss: training.fused_loss (head and loss chunk by chunk; not under tp or pp).
     A mixture-of-experts model: its routed experts shard as duoka.plan.moe describes (layout.ep).
     Under cp each rank holds seq_len / cp tokens of each sequence (duoka.plan.context)."""
     if micro_batch < 1 or seq_len < 1 or accumulation < 1:
         raise DuokaError("micro_batch, seq_len and accumulation must be >= 1")
     check_moe_layout(args, layout.dp_shard, layout.tp, layout.pp, layout.ep)
     check_context(args, layout.cp, seq_len, layout.cp_method)
+    if fused_loss and (layout.tp > 1 or layout.pp > 1):
+        raise DuokaError("training.fused_loss runs neither under tp nor under pp (the trainer turns it off there)")
     regime = regime_of(layout, bf16)
     if pp_rank is not None:
         if not 0 <= pp_rank < layout.pp:
             raise DuokaError(f"pp_rank={pp_rank} is not a pipeline rank of pp={layout.pp}")
         return _rank_memory(args, layout, pp_rank, micro_batch, seq_len, activation_checkpointing, accumulation,
-                            regime, optimizer)
+                            regime, optimizer, fused_loss)
     best = None
     for r in range(layout.pp):
         b = _rank_memory(args, layout, r, micro_batch, seq_len, activation_checkpointing, accumulation, regime,
-                         optimizer)
+                         optimizer, fused_loss)
         if best is None or b.allocated > best.allocated:
             best = b
     return best
@@ -605,7 +615,8 @@ class _Activations:
 
 
 def _activations(args: ModelArgs, layout: Layout, share: _RankShare, pp_rank: int, tokens: int, ac: bool,
-                 accumulation: int, regime: str, context: ContextMemory = NO_CONTEXT) -> _Activations:
+                 accumulation: int, regime: str, context: ContextMemory = NO_CONTEXT,
+                 fused_loss: bool = False) -> _Activations:
     """Activations of `tokens` per micro-batch on this rank (saved_per_token's counts), and
     under cp what the gathered attention adds (`context`)."""
     tp, pp, v = layout.tp, layout.pp, layout.stages_per_rank
@@ -622,7 +633,14 @@ def _activations(args: ModelArgs, layout: Layout, share: _RankShare, pp_rank: in
     final_norm = saved.final_norm * tokens if share.has_head else 0.0
     loss_bytes = (LOSS_BYTES_PER_LOGIT + (LOSS_PARALLEL_EXTRA_BYTES if tp > 1 else 0)
                   + (PIPELINE_LOGITS_BYTES if pp > 1 else 0))
-    logits = loss_bytes * args.vocab_size / tp * tokens if share.has_head else 0.0
+    if not share.has_head:
+        logits = 0.0
+    elif fused_loss:
+        low = 4 if regime == "fp32" else 2
+        logits = (FUSED_LOSS_BYTES_PER_LOGIT * args.vocab_size * min(tokens, FUSED_LOSS_CHUNK_TOKENS)
+                  + low * args.dim * tokens + GRAD_BYTES * args.vocab_size * args.dim)
+    else:
+        logits = loss_bytes * args.vocab_size / tp * tokens
     recompute = (max(saved.block, saved.moe_block) if ac else 0.0) * tokens
     transient = max(saved.backward_transient, saved.moe_transient) * tokens
     # Pipeline receive buffers: one bf16 activation from the previous stage and one
@@ -670,7 +688,7 @@ def _moments(g: _GradientsAndWeights, a: _Activations, step_transient: float,
 
 
 def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int, seq_len: int, ac: bool,
-                 accumulation: int, regime: str, optimizer: OptimizerChoice) -> MemoryBreakdown:
+                 accumulation: int, regime: str, optimizer: OptimizerChoice, fused_loss: bool) -> MemoryBreakdown:
     share = _rank_share(args, layout, pp_rank)
     shard = layout.dp_shard if layout.fsdp else 1
     accumulating = accumulation > 1
@@ -684,7 +702,7 @@ def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int
     # Under cp the rank holds seq_len / cp tokens of each sequence, and the gathered attention's extras.
     context = context_memory(args, micro_batch, seq_len, layout.cp, low, layout.cp_method)
     acts = _activations(args, layout, share, pp_rank, micro_batch * seq_len // layout.cp, ac, accumulation, regime,
-                        context)
+                        context, fused_loss)
     moments = _moments(grads, acts, opt.step_transient, accumulation)
     persistent = parameters + opt.gpu_state
     totals = {name: persistent + sum(parts.values()) for name, parts in moments.items()}
@@ -701,21 +719,22 @@ def _rank_memory(args: ModelArgs, layout: Layout, pp_rank: int, micro_batch: int
 def training_bytes(args: ModelArgs, micro_batch: int, seq_len: int, dp_shard: int, activation_checkpointing: bool,
                    bf16: bool = True, *, tp: int = 1, pp: int = 1, dp_mode: str | None = None, dp_replicate: int = 1,
                    accumulation: int = 1, pp_schedule: str = "1f1b", pp_stages_per_rank: int | None = None,
-                   optimizer: OptimizerChoice = ADAMW, ep: int = 1, cp: int = 1, cp_method: str = "allgather"
-                   ) -> int:
+                   optimizer: OptimizerChoice = ADAMW, ep: int = 1, cp: int = 1, cp_method: str = "allgather",
+                   fused_loss: bool = False) -> int:
     """Estimated peak allocated bytes per GPU (see estimate_memory). dp_mode defaults to
     fsdp when dp_shard > 1 and to ddp otherwise; pp_stages_per_rank to 2 for the
     interleaved schedules; optimizer to AdamW (optimizer_from_config(cfg.optimizer) gives
     a run's); ep: parallel.ep of a mixture-of-experts model; cp: parallel.cp (each rank
     then holds seq_len / cp tokens of each of its micro_batch sequences) and cp_method its
-    method, resolved (ParallelDims.context_method)."""
+    method, resolved (ParallelDims.context_method); fused_loss: training.fused_loss where the
+    trainer runs it (neither tp nor pp)."""
     mode = dp_mode or ("fsdp" if dp_shard > 1 else "ddp")
     if pp_stages_per_rank is None:
         pp_stages_per_rank = 2 if pp_schedule in ("interleaved_1f1b", "zero_bubble") else 1
     layout = Layout(mode, dp_replicate, dp_shard if mode == "fsdp" else 1, tp, pp, pp_schedule,
                     pp_stages_per_rank if pp > 1 else 1, ep=ep, cp=cp, cp_method=cp_method if cp > 1 else "allgather")
     return int(estimate_memory(args, layout, micro_batch, seq_len, activation_checkpointing, accumulation,
-                               bf16, optimizer=optimizer).allocated)
+                               bf16, optimizer=optimizer, fused_loss=fused_loss).allocated)
 
 
 def largest_fitting_micro_batch(args: ModelArgs, per_rank: int, seq_len: int, dp_shard: int,

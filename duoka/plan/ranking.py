@@ -44,7 +44,16 @@ from duoka.plan.context import (
 )
 from duoka.plan.hardware import HOST_USABLE_FRACTION, Hardware, hardware_notes
 from duoka.plan.layouts import FAMILY_ORDER, enumerate_layouts, simplicity, with_cp
-from duoka.plan.memory import GIB, GRAD_BYTES, WEIGHT_BYTES, Layout, MemoryBreakdown, estimate_memory, state_bytes
+from duoka.plan.memory import (
+    FUSED_LOSS_CHUNK_TOKENS,
+    GIB,
+    GRAD_BYTES,
+    WEIGHT_BYTES,
+    Layout,
+    MemoryBreakdown,
+    estimate_memory,
+    state_bytes,
+)
 from duoka.plan.model_choice import ModelChoice
 from duoka.plan.moe import active_params, expert_split, is_moe
 from duoka.plan.optimizer_costs import ADAMW, OptimizerChoice
@@ -79,6 +88,14 @@ def plan_layouts(args: ModelArgs, hw: Hardware, seq_len: int) -> list[Layout]:
     return enumerate_layouts(args, hw.gpus, hw.gpus_per_node, context_seq)
 
 
+def lean_loss(layout: Layout, ac: bool) -> bool:
+    """Whether a plan runs training.fused_loss: with checkpointing, the choice made to save
+    memory, wherever the trainer runs it (neither tp nor pp). It costs no FLOPs (the unfused
+    path's matmuls, chunk by chunk), and at long sequences the whole logits are most of a step's
+    memory (Qwen2's 152k vocabulary: ~1.5 MB a token)."""
+    return ac and layout.tp == 1 and layout.pp == 1
+
+
 def evaluate(args: ModelArgs, hw: Hardware, seq_len: int, global_batch: int,
              layouts: list[Layout] | None = None, optimizer: OptimizerChoice = ADAMW,
              micro_batch: int | None = None, activation_checkpointing: bool | None = None) -> list[Candidate]:
@@ -99,10 +116,11 @@ def evaluate(args: ModelArgs, hw: Hardware, seq_len: int, global_batch: int,
             if layout.pp > 1 and (m < layout.pp or (layout.stages_per_rank > 1 and m % layout.pp)):
                 continue  # the schedules want at least pp micro-batches (interleaved: a multiple)
             for ac in acs:
-                mem = estimate_memory(args, layout, mb, seq_len, ac, m, optimizer=optimizer)
+                fused = lean_loss(layout, ac)
+                mem = estimate_memory(args, layout, mb, seq_len, ac, m, optimizer=optimizer, fused_loss=fused)
                 time = estimate_step_time(args, layout, mb, seq_len, global_batch, ac, hw, optimizer)
                 fits = mem.reserved <= hw.usable_bytes and mem.host <= hw.usable_host_bytes
-                out.append(Candidate(layout, mb, ac, m, mem, time, fits, optimizer))
+                out.append(Candidate(layout, mb, ac, m, mem, time, fits, optimizer, fused))
     return out
 
 
@@ -184,7 +202,8 @@ def _context_reasons(args: ModelArgs, seq_len: int, ranked: list[Candidate], rej
         if miss is not None:
             mem, point = miss.memory, (miss.micro_batch, miss.activation_checkpointing, miss.accumulation)
         else:
-            mem, ac = min(((estimate_memory(args, lay, 1, seq_len, ac, optimizer=first.optimizer), ac)
+            mem, ac = min(((estimate_memory(args, lay, 1, seq_len, ac, optimizer=first.optimizer,
+                                            fused_loss=lean_loss(lay, ac)), ac)
                            for ac in (True, False)), key=lambda m: m[0].reserved)
             point = (1, ac, 1)
             if mem.reserved <= usable:  # it fits, but the batch has fewer sequences than its dp ranks
@@ -207,7 +226,7 @@ def _method_reason(args: ModelArgs, first: Candidate, seq_len: int, hw: Hardware
     other = replace(lay, cp_method="allgather")
     point = (first.micro_batch, seq_len)
     mem = estimate_memory(args, other, *point, first.activation_checkpointing, first.accumulation,
-                          optimizer=first.optimizer)
+                          optimizer=first.optimizer, fused_loss=first.fused_loss)
     time = estimate_step_time(args, other, *point, first.micro_batch * first.accumulation * lay.dp_size,
                               first.activation_checkpointing, hw, first.optimizer)
     fits = "" if mem.reserved <= hw.usable_bytes else f" (> {gib_text(hw.usable_bytes)} usable)"
@@ -412,9 +431,8 @@ def _context_note(args: ModelArgs, best: Candidate, seq_len: int) -> str:
     """What a plan with context parallelism counts and assumes (duoka.plan.context)."""
     lay, t, ac = best.layout, best.time, best.activation_checkpointing
     cp = lay.cp
-    fused = (f"; the logits buffers ({gib_text(best.memory.logits)} GiB at the peak) go with "
-             "training.fused_loss=true (head and loss chunk by chunk), which this estimate does not model"
-             if best.memory.logits else "")
+    fused = (f"; training.fused_loss=true runs the head and the loss {FUSED_LOSS_CHUNK_TOKENS:,} tokens at a time "
+             "(no whole logits)" if best.fused_loss else "")
     head = (f"context parallelism: cp {cp} cuts each sequence of {seq_len:,} tokens into {2 * cp} chunks, each GPU "
             f"holding two ({seq_len // cp:,} tokens, chunks i and {2 * cp - 1}-i, which balances causal attention); ")
     tail = (f"; fp32 weights, gradients and optimizer state shard over all {lay.fsdp_size} FSDP ranks, cp ranks "

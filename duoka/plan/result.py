@@ -34,13 +34,14 @@ class Candidate:
     time: StepTime
     fits: bool
     optimizer: OptimizerChoice = ADAMW
+    fused_loss: bool = False  # training.fused_loss: planned with every checkpointed layout that runs it
 
     @property
     def family(self) -> str:
         return family(self.layout)
 
     def describe(self, optimizer: bool = True) -> str:
-        ac = ", checkpointing" if self.activation_checkpointing else ""
+        ac = (", checkpointing" if self.activation_checkpointing else "") + (", fused loss" if self.fused_loss else "")
         opt = f", {self.optimizer.describe()}" if optimizer and self.optimizer != ADAMW else ""
         return f"{self.layout.describe()}, micro-batch {self.micro_batch}{ac}{opt}"
 
@@ -53,7 +54,8 @@ class Candidate:
                           "reshard_after_forward": lay.reshard_after_forward, "ep": lay.ep, "cp": lay.cp,
                           "cp_method": lay.cp_method},
              "micro_batch": self.micro_batch, "accumulation": self.accumulation,
-             "activation_checkpointing": self.activation_checkpointing, "optimizer": self.optimizer.config(),
+             "activation_checkpointing": self.activation_checkpointing, "fused_loss": self.fused_loss,
+             "optimizer": self.optimizer.config(),
              "fits": self.fits, "peak_allocated_gib": round(self.memory.allocated / GIB, 2),
              "reserved_gib": round(self.memory.reserved / GIB, 2), "host_gib": round(self.memory.host / GIB, 2),
              "memory": self.memory.to_dict(), "step_time": self.time.to_dict()}
@@ -136,7 +138,7 @@ def plan_toml(plan: Plan) -> str:
     sections["training"] = {"seq_len": plan.seq_len, "global_batch_size": plan.global_batch,
                             "micro_batch_size": c.micro_batch,
                             "activation_checkpointing": "full" if c.activation_checkpointing else "none",
-                            "dtype": "bf16"}
+                            "dtype": "bf16", **({"fused_loss": True} if c.fused_loss else {})}
     par = {"dp_mode": lay.dp_mode, "dp_replicate": lay.dp_replicate, "dp_shard": lay.dp_shard, "tp": lay.tp,
            "pp": lay.pp}
     if lay.fsdp and not lay.reshard_after_forward:

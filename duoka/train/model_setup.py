@@ -103,7 +103,8 @@ def auto_micro_batch(cfg, dims: ParallelDims, args: ModelArgs, device: torch.dev
                                      dp_mode=par.dp_mode, dp_replicate=dims.dp_replicate,
                                      pp_schedule=par.pp_schedule, pp_stages_per_rank=par.pp_stages_per_rank,
                                      optimizer=optimizer_from_config(cfg.optimizer), ep=dims.ep, cp=dims.cp,
-                                     cp_method=dims.context_method(args.n_heads))
+                                     cp_method=dims.context_method(args.n_heads),
+                                     fused_loss=cfg.training.fused_loss and not dims.model_parallel)
     t = torch.tensor([mb], device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())

@@ -164,9 +164,10 @@ def test_short_sequences_do_not_search_cp():
 
 
 def test_a_batch_too_large_for_one_node_names_one_sequence_per_cp_group():
-    with pytest.raises(DuokaError, match="does not fit on 8 x 80 GiB") as e:
-        make_plan(resolve_model("qwen2-7b"), hw(8), SEQ, 8)
-    assert "one sequence per 8 GPUs (cp splits it) fits these GPUs: --global-batch 1" in e.value.fix
+    # 48 GiB: at 80 the fused loss (planned with checkpointing) lets 8 sequences fit, accumulated.
+    with pytest.raises(DuokaError, match="does not fit on 8 x 48 GiB") as e:
+        make_plan(resolve_model("qwen2-7b"), hw(8, memory=48), SEQ, 8)
+    assert "one sequence per 4 GPUs (cp splits it) fits these GPUs: --global-batch 2" in e.value.fix
 
 
 def test_the_plan_prints_the_cp_memory_row(capsys):
@@ -211,25 +212,26 @@ def test_ulysses_memory_and_traffic_by_hand():
 
 
 def test_the_plan_takes_ulysses_where_the_heads_divide_and_says_why(tmp_path, capsys):
-    """Qwen2-1.5B at 131,072 tokens, two sequences on 8 x 80 GiB: cp 4 by Ulysses (12 heads, 3 per
+    """Qwen2-1.5B at 131,072 tokens, two sequences on 8 x 24 GiB: cp 4 by Ulysses (12 heads, 3 per
     GPU; its 2 KV heads repeated to 4), which fits where the all-gather's dense mask and biases
     would not; the plan gives both methods' memory and traffic, and the config it writes is the
-    trainer's."""
-    h = hw(8)
+    trainer's, the fused loss included."""
+    h = hw(8, memory=24)
     plan = make_plan(resolve_model("qwen2-1.5b"), h, SEQ, 2)
     best = plan.best
     assert (best.layout.cp, best.layout.cp_method) == (4, "ulysses") and best.fits
     assert "cp 4 by Ulysses: the 12 attention heads divide by 4" in plan.why
     allgather = estimate_memory(plan.model.args, dataclasses.replace(best.layout, cp_method="allgather"),
-                                best.micro_batch, SEQ, best.activation_checkpointing, best.accumulation)
-    assert allgather.reserved > h.usable_bytes >= best.memory.reserved
-    assert f"the all-gather needs {allgather.reserved / GIB:.1f} GiB (> 72.0 usable)" in plan.why
+                                best.micro_batch, SEQ, best.activation_checkpointing, best.accumulation,
+                                fused_loss=best.fused_loss)
+    assert best.fused_loss and allgather.reserved > h.usable_bytes >= best.memory.reserved
+    assert f"the all-gather needs {allgather.reserved / GIB:.1f} GiB (> 21.6 usable)" in plan.why
     note = next(n for n in plan.notes if n.startswith("context parallelism"))
     assert "by Ulysses" in note and "2 KV heads repeated x2" in note and "no mask or bias" in note
     path = tmp_path / "plan.toml"
     path.write_text(plan.config_toml())
     cfg = load_config(path)
-    assert (cfg.parallel.cp, cfg.parallel.cp_method) == (4, "ulysses")
+    assert (cfg.parallel.cp, cfg.parallel.cp_method, cfg.training.fused_loss) == (4, "ulysses", True)
     assert layout_from_config(cfg.parallel, 8) == best.layout
     assert ParallelDims.from_config(cfg.parallel, 8).context_method(plan.model.args.n_heads) == "ulysses"
     auto = dataclasses.replace(cfg.parallel, cp_method="auto")  # auto resolves to what the plan wrote
@@ -237,9 +239,10 @@ def test_the_plan_takes_ulysses_where_the_heads_divide_and_says_why(tmp_path, ca
     assert plan.to_dict()["ranked"][0]["parallel"]["cp_method"] == "ulysses"
     from duoka.cli import main
 
-    assert main(["plan", "--model", "qwen2-1.5b", "--gpus", "8", "--gpu-memory", "80", "--seq", str(SEQ),
+    assert main(["plan", "--model", "qwen2-1.5b", "--gpus", "8", "--gpu-memory", "24", "--seq", str(SEQ),
                  "--global-batch", "2"]) == 0
     out = capsys.readouterr().out
-    # With checkpointing its peak (the loss's backward) holds nothing for cp: no mask, no KV repeat
-    # saved beyond the recomputed block, so the table has no cp row.
-    assert best.memory.context == 0 and "cp: " not in out and 'cp_method = "ulysses"' in out
+    # With the fused loss the peak is a block's backward, which holds the exchange's q/k/v
+    # gradients (duoka.plan.context): the table has a cp row.
+    assert best.memory.phase == "block backward" and best.memory.context > 0
+    assert "cp: " in out and 'cp_method = "ulysses"' in out and "fused_loss = true" in out
