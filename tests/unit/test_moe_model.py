@@ -136,6 +136,25 @@ def test_logits_with_router_aux_give_the_same_loss(hf_moe):
     assert torch.allclose(unfused, ours(t, labels=targets), rtol=1e-6)
 
 
+def test_inference_mode_makes_no_routing_statistics(hf_moe):
+    """Serving runs in inference mode, where nothing reads the routing statistics: the layers
+    make none and the recorder keeps no load, with the same logits as a no-grad forward (whose
+    statistics, as in training, are recorded)."""
+    _, folder = hf_moe("topk-raw-sparse-step-2")
+    ours, _ = load_hf_model(folder)
+    t = tokens()
+    with torch.no_grad():
+        want = ours(t)
+    assert set(ours.routing.load) == {1, 3} and ours.routing.take_totals()  # the sparse layers
+    ours.routing.load = {}
+    with torch.inference_mode():
+        got = ours(t)
+        layer = ours.layers["1"].feed_forward
+        _, stats = layer(torch.randn(1, 3, 32))
+    assert torch.equal(got, want) and stats is None
+    assert ours.routing.load == {} and ours.routing.take_totals() == {}
+
+
 def test_greedy_generation_matches_transformers(hf_moe):
     hf, folder = hf_moe("topk-normalised-mlp-only-0")
     ours, _ = load_hf_model(folder)

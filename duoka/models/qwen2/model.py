@@ -519,8 +519,9 @@ class Qwen2(nn.Module):
                             device)
 
     def _layers(self, h: torch.Tensor, rope, mask) -> tuple[torch.Tensor, dict[int, RoutingStats]]:
-        """The decoder layers; with them, a MoE model's routing statistics of this forward."""
-        if self.routing is None:
+        """The decoder layers; with them, a MoE model's routing statistics of this forward
+        (none in inference mode, where the MoE layers make none)."""
+        if self.routing is None or torch.is_inference_mode_enabled():
             for layer in self.layers.values():
                 h = layer(h, rope, mask=mask)
             return h, {}

@@ -175,13 +175,14 @@ def one_token_gemv(x: torch.Tensor, experts: GroupedExperts) -> bool:
             and not torch.is_autocast_enabled(x.device.type) and not isinstance(experts.w1, DTensor))
 
 
-def routed_experts(x: torch.Tensor, routing: Routing, experts: GroupedExperts) -> tuple[torch.Tensor, torch.Tensor]:
+def routed_experts(x: torch.Tensor, routing: Routing, experts: GroupedExperts,
+                   with_counts: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The routed experts' output for x [T, dim], dropless: [T, dim] and the per-expert
-    assignment counts [E] int32."""
+    assignment counts [E] int32 (None where not asked for and not needed by the path)."""
     n_tokens, k = routing.experts.shape
     if one_token_gemv(x, experts):
         out = _expert_gemv_op(x, routing.experts, routing.weights, experts.w1, experts.w3, experts.w2)
-        return out, expert_counts(routing.experts, experts.w1.shape[0])
+        return out, expert_counts(routing.experts, experts.w1.shape[0]) if with_counts else None
     order, counts = sort_by_expert(routing.experts, experts.w1.shape[0])
     y = experts(x[order // k], counts)  # [T * k, dim], grouped by expert
     # Back to (token, slot) order: a permutation, so every row is written once.
@@ -206,13 +207,18 @@ class MoE(nn.Module):
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(dim, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats | None]:
+        """Statistics are None in inference mode (serving): no loss and no monitor reads them
+        there, and at batch 1 their reductions and casts were ~3% of a step (bench/NOTES.md 43)."""
         flat = x.reshape(-1, x.shape[-1])
         routing = route(flat, self.router.weight, self.top_k, self.norm_topk_prob)
-        routed, counts = routed_experts(flat, routing, self.experts)
+        wanted = not torch.is_inference_mode_enabled()
+        routed, counts = routed_experts(flat, routing, self.experts, with_counts=wanted)
         shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        stats = RoutingStats(counts.float(), routing.probs.sum(dim=0), flat.shape[0])
-        return (routed + shared).view(x.shape), stats
+        out = (routed + shared).view(x.shape)
+        if not wanted:
+            return out, None
+        return out, RoutingStats(counts.float(), routing.probs.sum(dim=0), flat.shape[0])
 
 
 def load_balancing_loss(stats: Sequence[RoutingStats], num_experts: int) -> torch.Tensor:
