@@ -13,6 +13,7 @@ from duoka.models.qwen2.args import FLAVORS, ModelArgs, ModelOptions, from_hf_co
 from duoka.models.qwen2.hf_adapter import hf_to_duoka, load_hf_model, save_hf_checkpoint
 from duoka.models.qwen2.model import FeedForward, StageSlice, build_model, materialize
 from duoka.models.qwen2.moe import GroupedExperts, Routing, load_balancing_loss, route, routed_experts
+from duoka.models.qwen2.rope import rope_cos_sin
 
 VOCAB = 97
 # Both router normalisations; dense layers chosen both ways transformers allows: every other
@@ -147,10 +148,10 @@ def test_inference_mode_makes_no_routing_statistics(hf_moe):
         want = ours(t)
     assert set(ours.routing.load) == {1, 3} and ours.routing.take_totals()  # the sparse layers
     ours.routing.load = {}
-    with torch.inference_mode():
+    x, rope = torch.randn(1, 5, 32), rope_cos_sin(torch.arange(5)[None], 8, 10000.0, torch.float32)
+    with torch.inference_mode():  # (compiled, the one-token path: test_moe_gemv.py)
         got = ours(t)
-        layer = ours.layers["1"].feed_forward
-        _, stats = layer(torch.randn(1, 3, 32))
+        _, stats = ours.layers["1"]._block(x, rope, None, False)
     assert torch.equal(got, want) and stats is None
     assert ours.routing.load == {} and ours.routing.take_totals() == {}
 

@@ -327,16 +327,19 @@ class TransformerBlock(nn.Module):
         if not self.sparse:
             return self._body(x, rope, mask)
         # Recorded here, outside the compiled body: the graph shared by all blocks neither
-        # sees the layer's id nor mutates the recorder.
-        h, stats = self._body(x, rope, mask)
+        # sees the layer's id nor mutates the recorder. The statistics are made where the
+        # recorder is open or gradients flow (a checkpointed block's recompute runs the
+        # forward's graph); not in serving, whose recorder stays closed, grad off.
+        with_stats = self.routing is not None and (self.routing.open or torch.is_grad_enabled())
+        h, stats = self._body(x, rope, mask, with_stats)
         if self.routing is not None:
             self.routing.record(self.layer_id, stats)
         return h
 
-    def _block(self, x, rope, mask):
+    def _block(self, x, rope, mask, with_stats: bool = True):
         x = x + self.attention(self.attention_norm(x), rope=rope, mask=mask)
         if self.sparse:
-            out, stats = self.feed_forward(self.ffn_norm(x))
+            out, stats = self.feed_forward(self.ffn_norm(x), with_stats)
             return x + out, stats
         return x + self.feed_forward(self.ffn_norm(x))
 

@@ -207,16 +207,15 @@ class MoE(nn.Module):
         self.shared_expert = shared_expert
         self.shared_expert_gate = nn.Linear(dim, 1, bias=False)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, RoutingStats | None]:
-        """Statistics are None in inference mode (serving): no loss and no monitor reads them
-        there, and at batch 1 their reductions and casts were ~3% of a step (bench/NOTES.md 43)."""
+    def forward(self, x: torch.Tensor, with_stats: bool = True) -> tuple[torch.Tensor, RoutingStats | None]:
+        """with_stats=False (serving: no loss and no monitor reads them) returns None for the
+        statistics and skips their reductions and casts, ~3% of a batch-1 step (bench/NOTES.md 43)."""
         flat = x.reshape(-1, x.shape[-1])
         routing = route(flat, self.router.weight, self.top_k, self.norm_topk_prob)
-        wanted = not torch.is_inference_mode_enabled()
-        routed, counts = routed_experts(flat, routing, self.experts, with_counts=wanted)
+        routed, counts = routed_experts(flat, routing, self.experts, with_counts=with_stats)
         shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         out = (routed + shared).view(x.shape)
-        if not wanted:
+        if not with_stats:
             return out, None
         return out, RoutingStats(counts.float(), routing.probs.sum(dim=0), flat.shape[0])
 
