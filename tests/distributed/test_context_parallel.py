@@ -28,14 +28,16 @@ def _cp_run(layout_runs, ranks: int, cp: int, *extra: str):
     # The debug model's 4 heads and 2 KV heads: 2 and 1 per rank; the whole window's document
     # mask, in sequence order, on each rank.
     (2, 2, ULYSSES),
-    # 1 head per rank; the 2 KV heads repeated to 4 before the exchange, causal attention.
-    (4, 4, ULYSSES + NO_DOCUMENTS),
+    # 1 head per rank; the 2 KV heads repeated to 4 before the exchange, causal attention;
+    # the loss fused with the head (duoka plan sets it with checkpointing) on each rank's chunks.
+    (4, 4, ULYSSES + NO_DOCUMENTS + ("--training.fused_loss=true",)),
 ], ids=["cp2-documents", "cp4-causal", "cp2-of-4-accumulating", "ulysses-cp2-documents", "ulysses-cp4-causal"])
 def test_cp_matches_one_process(layout_runs, assert_same_run, once_stderr, ranks, cp, extra):
     reference = layout_runs.once("--nproc-per-node=1", *(a for a in extra if a in NO_DOCUMENTS))
     run = _cp_run(layout_runs, ranks, cp, *extra)
     method = "ulysses" if ULYSSES[0] in extra else "allgather"
     assert f"FSDP2 x{ranks} | CP x{cp} ({method})" in once_stderr(run)
+    assert ("fused chunked loss" in once_stderr(run)) == ("--training.fused_loss=true" in extra)
     assert_same_run(run, reference)
 
 
