@@ -8,6 +8,7 @@ them), and only rank 0 reads the logits.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from dataclasses import dataclass
@@ -18,10 +19,10 @@ import torch
 
 from duoka.errors import DuokaError
 from duoka.models import paged_decode, paged_mixed
+from duoka.models.quant.small_batch import save_tuned_configs
 from duoka.models.qwen2.model import Qwen2
 from duoka.models.qwen2.multi_lora import adapter_ids_of
 from duoka.models.qwen2.paged import PagedBatch
-from duoka.models.quant.small_batch import save_tuned_configs
 from duoka.serve.sampling import to_device
 from duoka.serve.scheduler import ScheduledItem, Sequence
 
@@ -70,17 +71,25 @@ class StepInputs:
 
     @classmethod
     def unpack(cls, packed: torch.Tensor, sizes: tuple[int, ...], scalars: dict[str, int]) -> StepInputs:
-        """The inverse of packed(), on packed's device. Each array gets storage of its own, as
-        prepare_inputs' arrays and the graphs' buffers have: a view into `packed` starts at an
-        offset, and the compiled blocks guard on whether offsets are 0, which made a step from the
-        device copy and a graph's capture two compiled variants (bench/NOTES.md 43)."""
+        """The inverse of packed(), on packed's device: the int32 arrays are views into it (see
+        own_storage)."""
         shapes = array_shapes(*sizes)
         parts = packed.split([math.prod(shape) for shape in shapes])
-        arrays = {name: part.view(shape).to(dtype, copy=True)
+        arrays = {name: part.view(shape).to(dtype)
                   for (name, dtype), part, shape in zip(ARRAY_DTYPES.items(), parts, shapes)}
         if not sizes[4]:
             arrays["adapter_ids"] = None
         return cls(**arrays, **scalars)
+
+    def own_storage(self) -> StepInputs:
+        """The same inputs, each array that is a view at an offset (unpack's int32 arrays)
+        copied into storage of its own. The compiled blocks guard on whether an input's offset
+        is 0, as prepare_inputs' arrays and the graphs' buffers have it: the eager path's
+        unpacked views made a compiled variant of their own (bench/NOTES.md 43). Only that path
+        needs it; a graph's replay copies the arrays into its buffers anyway."""
+        views = {name: array.clone() for name in ARRAY_DTYPES
+                 if (array := getattr(self, name)) is not None and array.storage_offset()}
+        return dataclasses.replace(self, **views) if views else self
 
     def scalars(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in SCALARS}
@@ -345,7 +354,7 @@ class ModelRunner:
 
     def _eager(self, inputs: StepInputs, hidden_rows: torch.Tensor | None):
         """The forward without a graph: the model's output as it returns it (PagedBatch.hidden_indices)."""
-        x = inputs.to(self.device)
+        x = inputs.to(self.device).own_storage()
         if self.adapter_ids is not None:
             ids = x.adapter_ids
             if ids is None:  # a base-only step
