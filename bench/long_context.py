@@ -35,9 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from moe_vs_peer import DUOKA_OPTIMIZER
 from serve_models import make_folder
-from train_vs_peer import FLAVOR, run_duoka, run_peer
+from train_vs_peer import FLAVOR, Budget, run_duoka, run_peer
 
 PEER = ROOT / "bench" / "peers" / "train_peer.py"
 LONG = ["--training.activation_checkpointing=full", "--training.fused_loss=true"]
@@ -97,7 +95,6 @@ def main() -> None:
     import torch
     import transformers
 
-    t0 = time.perf_counter()
     cuda = torch.cuda.is_available()
     result = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name() if cuda else "cpu",
               "torch": torch.__version__, "transformers": transformers.__version__, "model": a.model,
@@ -106,14 +103,10 @@ def main() -> None:
     def save() -> None:
         a.out.write_text(json.dumps(result, indent=2) + "\n")
 
+    budget = Budget(a.timeout, a.budget)
+
     def guarded(run, args: tuple, extra: list[str]) -> dict:
-        timeout = int(min(a.timeout, a.budget - (time.perf_counter() - t0) if a.budget else a.timeout))
-        if timeout < 60:
-            return {"error": "skipped: less than a minute of --budget left"}
-        try:
-            return summarise(run(*args, timeout=timeout, extra=extra))
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {timeout} s"}
+        return summarise(budget.run(run, args, extra))
 
     # A shape without a duoka flavor (the peer's CPU-sized `tiny`) reaches duoka as a random folder.
     shape = [] if a.model in FLAVOR else [f"--model.path={make_folder(a.model, a.root)}"]

@@ -50,9 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,7 +58,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serve_models import make_folder  # noqa: E402  (also puts bench/peers on sys.path)
-from train_vs_peer import FLAVOR, gpu_count, run_duoka, run_peer  # noqa: E402
+from train_vs_peer import FLAVOR, Budget, gpu_count, run_duoka, run_peer  # noqa: E402
 
 import qwen2_shapes  # noqa: E402
 
@@ -141,7 +139,6 @@ def main() -> None:
     import torch
     import transformers
 
-    t0 = time.perf_counter()
     cuda = torch.cuda.is_available()
     result = {"command": " ".join(sys.argv), "device": torch.cuda.get_device_name() if cuda else "cpu",
               "gpus": gpu_count(), "torch": torch.__version__, "transformers": transformers.__version__,
@@ -151,18 +148,7 @@ def main() -> None:
     def save() -> None:
         a.out.write_text(json.dumps(result, indent=2) + "\n")
 
-    def left() -> float:
-        return a.budget - (time.perf_counter() - t0) if a.budget else float("inf")
-
-    def guarded(run, args: tuple, extra: list[str]) -> dict:
-        """run(*args, timeout, extra) within --timeout and what is left of --budget."""
-        timeout = int(min(a.timeout, left()))
-        if timeout < 60:
-            return {"error": "skipped: less than a minute of --budget left"}
-        try:
-            return run(*args, timeout=timeout, extra=extra)
-        except subprocess.TimeoutExpired:
-            return {"error": f"timed out after {timeout} s"}
+    budget = Budget(a.timeout, a.budget)
 
     cases = [(c, False) for c in a.case] + [(c, True) for c in a.compile_case]
     for case, compile in cases:
@@ -191,7 +177,7 @@ def main() -> None:
         if compile and a.peer_eager:
             runs.append(("peer_eager", run_peer, (PEER, model, layout, *steps, False), peer_extra))
         for side, run, args, extra in runs:
-            row[side] = guarded(run, args, extra)
+            row[side] = budget.run(run, args, extra)
             print(side, json.dumps(row[side]), flush=True)
             save()
         for side in ("peer", "peer_eager"):

@@ -104,6 +104,26 @@ def run_peer(peer: Path, model: str, layout: str, mbs: int, seq: int, steps: int
             "step_s": r["step_s"], "final_loss": r["loss"], **moe, "wall_s": round(wall, 1)}
 
 
+class Budget:
+    """Runs of at most `per_run` seconds each, all within `total` seconds from now (0: no
+    total); a run that would get less than a minute is skipped, one that overruns is recorded
+    as timed out (bench/moe_vs_peer.py, bench/long_context.py)."""
+
+    def __init__(self, per_run: int, total: int):
+        self.per_run, self.total, self.t0 = per_run, total, time.perf_counter()
+
+    def run(self, run, args: tuple, extra: Sequence[str]) -> dict:
+        """run(*args, timeout=..., extra=extra), or an {"error": ...} saying why it did not finish."""
+        left = self.total - (time.perf_counter() - self.t0) if self.total else float("inf")
+        timeout = int(min(self.per_run, left))
+        if timeout < 60:
+            return {"error": "skipped: less than a minute of --budget left"}
+        try:
+            return run(*args, timeout=timeout, extra=extra)
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout} s"}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--peer", type=Path, default=ROOT / "bench" / "peers" / "train_peer.py")
