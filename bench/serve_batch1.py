@@ -25,7 +25,6 @@ import argparse
 import json
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -34,6 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from kernel_table import kernel_table  # noqa: E402
 from serve_models import SHAPES, config_folder, is_moe, make_folder, peer_workload  # noqa: E402
 
 from duoka.serve.config import EngineConfig  # noqa: E402
@@ -158,18 +158,13 @@ def engine_batch1(shape_name: str) -> dict:
     with torch.profiler.profile(activities=activities) as prof:
         stamps = run(40, "profiled")
     n_steps = len(stamps)
-    kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            k = kernels[e.name[:90]]
-            k[0] += e.device_time_total
-            k[1] += 1
-    total_us = sum(v[0] for v in kernels.values())
+    table = kernel_table(prof, n_steps)
     res["profiled_steps"] = n_steps
-    res["kernel_us_per_step"] = total_us / n_steps
+    res["kernel_us_per_step"] = table["kernel_ms"] * 1000
     res["profiled_wall_ms_per_step"] = (stamps[-1] - stamps[0]) / (n_steps - 1) * 1000
-    res["top_kernels"] = [dict(name=k, us_per_step=v[0] / n_steps, calls_per_step=v[1] / n_steps)
-                          for k, v in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:25]]
+    res["kernel_ms_by_kind"] = table["by_kind_ms"]
+    res["top_kernels"] = [{"name": k["name"], "us_per_step": k["ms"] * 1000, "calls_per_step": k["calls"]}
+                          for k in table["top"]]
     return res
 
 

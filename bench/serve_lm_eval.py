@@ -61,6 +61,7 @@ from lm_eval.models.openai_completions import LocalCompletionsAPI
 from lm_eval.tasks import TaskManager
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernel_table import kernel_table  # noqa: E402
 from serve_models import make_folder  # noqa: E402
 
 from duoka.bench.serving import StartedServer  # noqa: E402
@@ -214,10 +215,16 @@ def scoring_prompts(folder: Path, tasks: Path) -> list[list[int]]:
     return sorted(prompts, key=len, reverse=True)
 
 
-def run_engine(folder: Path, tasks: Path, dtype: str, device: str, in_flight: int, profile: bool) -> dict:
+KERNELS_FROM = 20  # the first steps still fill the pipeline and compile new shapes
+
+
+def run_engine(folder: Path, tasks: Path, dtype: str, device: str, in_flight: int, profile: bool,
+               kernels: int) -> dict:
     """The scoring requests straight into LLMEngine, in_flight of them at a time (lm-eval's
     batch size x concurrent requests), each max_tokens=1 with prompt logprobs of k=1 as lm-eval
-    asks: wall time, steps, prompt tokens computed; with profile the host's top functions."""
+    asks: wall time, steps, prompt tokens computed; with profile the host's top functions; with
+    kernels the device's kernels over that many steps from the 20th (torch.profiler: those
+    steps run slower, so the wall time then is not the figure to quote)."""
     prompts = scoring_prompts(folder, tasks)
     engine = LLMEngine(EngineConfig(model=folder, dtype=dtype, device=device))  # as duoka serve with no flags
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=1, prompt_logprobs=1)
@@ -234,15 +241,22 @@ def run_engine(folder: Path, tasks: Path, dtype: str, device: str, in_flight: in
     t0 = time.perf_counter()
     if prof:
         prof.enable()
+    cuda = device == "cuda"
+    kernel_prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA if cuda else
+                                                     torch.profiler.ProfilerActivity.CPU]) if kernels else None
     while pending or engine.has_unfinished():
         while pending and running < in_flight:
             i, p = pending.pop()
             engine.add_request(f"r{i}", p, params)
             running += 1
+        if kernel_prof and steps == KERNELS_FROM:
+            kernel_prof.start()
         finished = sum(out.finished for out in engine.step())
         running -= finished
         done += finished
         steps += 1
+        if kernel_prof and steps == KERNELS_FROM + kernels:
+            kernel_prof.stop()
     if prof:
         prof.disable()
     wall = time.perf_counter() - t0
@@ -255,6 +269,11 @@ def run_engine(folder: Path, tasks: Path, dtype: str, device: str, in_flight: in
     side["computed_tokens_per_s"] = side["prompt_tokens_computed"] / wall
     side["computed_tokens_per_step"] = side["prompt_tokens_computed"] / max(steps, 1)
     side["requests_per_s"] = done / wall
+    profiled = min(steps, KERNELS_FROM + kernels) - KERNELS_FROM
+    if kernel_prof and profiled > 0:
+        if profiled < kernels:  # the run ended inside the window
+            kernel_prof.stop()
+        side["kernels_per_step"] = {"steps": profiled, **kernel_table(kernel_prof, profiled, cuda=cuda)}
     if prof:
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(30)
@@ -289,6 +308,8 @@ def main() -> None:
                    help="hf: lm-eval's hf backend; duoka: lm-eval against duoka serve; engine: the same "
                         "requests straight into the engine (no HTTP, no lm-eval client)")
     p.add_argument("--cprofile", action="store_true", help="with engine: the host's hottest functions too")
+    p.add_argument("--kernels", type=int, default=0, metavar="STEPS",
+                   help="with engine: the GPU's kernels per step over STEPS steps (torch.profiler)")
     p.add_argument("--work", default="/tmp/duoka-lm-eval", help="where the task files go")
     p.add_argument("--out", required=True)
     args = p.parse_args()
@@ -309,7 +330,7 @@ def main() -> None:
               "command": " ".join(["python3", "bench/serve_lm_eval.py", *sys.argv[1:]])}
     if "engine" in args.parts:
         result["engine"] = run_engine(folder, tasks, dtype, device, args.batch_size * args.num_concurrent,
-                                      args.cprofile)
+                                      args.cprofile, args.kernels)
         log(f"engine alone: {result['engine']['seconds']:.1f} s, "
             f"{result['engine']['computed_tokens_per_s']:,.0f} computed tokens/s")
         if cuda:

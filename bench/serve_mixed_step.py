@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
-from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from kernel_table import kernel_table  # noqa: E402
 from serve_models import CONFIGS, config_folder  # noqa: E402
 
 from duoka.serve.config import EngineConfig  # noqa: E402
@@ -174,14 +173,6 @@ def _prepare_ms(items: list[ScheduledItem], block_size: int, n: int = 5) -> floa
     return (time.perf_counter() - t) * 1000 / n
 
 
-# Kernel names by what they do (a heuristic over CUDA kernel names: cuBLAS/CUTLASS gemms, flash
-# and the paged decode kernel, inductor's fused Triton kernels, PyTorch's own elementwise ones).
-# On CPU the same patterns sort the aten operators. First match wins.
-KERNEL_KINDS = (("matmul", r"gemm|cutlass|nvjet|sm90_|sm80_|matmul|splitk|aten::(add|b)?mm$"),
-                ("attention", r"flash|fmha|attn|attention|_decode_kernel|_merge_kernel|_write_kv|_mixed_kernel"),
-                ("triton", r"^triton"), ("copy_index", r"copy|index|gather|scatter|cat|fill"))
-
-
 def kernel_breakdown(worker: Worker, items: list[ScheduledItem], top: int = 12) -> dict:
     """One whole step under torch.profiler: on CUDA the kernels (device time per name, the top
     ones, their sum against the profiled step's wall time: the rest is the host's launch gap),
@@ -196,27 +187,10 @@ def kernel_breakdown(worker: Worker, items: list[ScheduledItem], top: int = 12) 
         worker.sample(worker.execute(prepare_inputs(items, block_size)), rows).result()
         sync(device)
         wall = (time.perf_counter() - t) * 1000
-    times: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    if cuda:
-        for e in prof.events():
-            if e.device_type == torch.autograd.DeviceType.CUDA:
-                entry = times[e.name[:100]]
-                entry[0] += e.device_time_total / 1000
-                entry[1] += 1
-    else:
-        for e in prof.key_averages():
-            times[e.key[:100]] = [e.self_cpu_time_total / 1000, e.count]
     # The host's side on CUDA: operators and runtime calls by self CPU time (a cudaStreamSynchronize
     # or a pageable cudaMemcpy here is a wait for the device inside the step).
     host = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top] if cuda else []
-    total = sum(v[0] for v in times.values())
-    kinds: dict[str, float] = defaultdict(float)
-    for name, (ms, _) in times.items():
-        kind = next((k for k, pattern in KERNEL_KINDS if re.search(pattern, name, re.I)), "other")
-        kinds[kind] += ms
-    ranked = sorted(times.items(), key=lambda kv: -kv[1][0])[:top]
-    return {"profiled_wall_ms": wall, ("kernel_ms" if cuda else "self_cpu_ms"): total,
-            "by_kind_ms": dict(kinds), "top": [{"name": k, "ms": v[0], "calls": v[1]} for k, v in ranked],
+    return {"profiled_wall_ms": wall, **kernel_table(prof, 1, top, cuda),
             "host_top": [{"name": e.key[:100], "self_cpu_ms": e.self_cpu_time_total / 1000, "calls": e.count}
                          for e in host]}
 
