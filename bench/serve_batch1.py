@@ -191,7 +191,14 @@ def main():
     if not a.skip_gemv and not moe:  # the table's projections are a dense layer's
         res["gemv"] = gemv_table(shape)
     res["engine"] = engine_batch1(a.shape)
+    if moe:  # the routed experts' GEMV tiles the autotuner picked (duoka.models.moe_gemv)
+        from dataclasses import asdict
+
+        from duoka.models.moe_gemv import chosen_tiles
+
+        res["moe_gemv_tiles"] = {name: tiles and asdict(tiles) for name, tiles in chosen_tiles().items()}
     print(json.dumps(res["engine"], indent=1), flush=True)
+    print(json.dumps(res.get("moe_gemv_tiles")), flush=True)
     Path(a.out).write_text(json.dumps(res, indent=2) + "\n")
 
 

@@ -35,23 +35,36 @@ def _reference(x, experts, weights, w1, w3, w2):
     return out
 
 
-def _kernel_cases(device: str) -> list[float]:
+def _case_error(device: str, case: tuple, seed: int, tiles=None) -> float:
     from duoka.models.moe_gemv import expert_gemv
 
-    errors = []
-    for i, (n_experts, k, tokens, dim, hidden, dtype) in enumerate(CASES):
-        g = torch.Generator().manual_seed(i)
-        dt = getattr(torch, dtype)
-        x = torch.randn(tokens, dim, generator=g).to(dt)
-        w1, w3 = (torch.randn(n_experts, hidden, dim, generator=g).div(dim ** 0.5).to(dt) for _ in range(2))
-        w2 = torch.randn(n_experts, dim, hidden, generator=g).div(hidden ** 0.5).to(dt)
-        experts = torch.stack([torch.randperm(n_experts, generator=g)[:k] for _ in range(tokens)])
-        weights = torch.rand(tokens, k, generator=g).to(dt)
-        got = expert_gemv(*(t.to(device) for t in (x, experts, weights, w1, w3, w2))).cpu()
-        assert got.dtype == dt and got.shape == (tokens, dim)
-        want = _reference(x, experts, weights, w1, w3, w2)
-        errors.append(((got.float() - want).abs().max() / want.abs().max()).item())
-    return errors
+    n_experts, k, tokens, dim, hidden, dtype = case
+    g = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, dtype)
+    x = torch.randn(tokens, dim, generator=g).to(dt)
+    w1, w3 = (torch.randn(n_experts, hidden, dim, generator=g).div(dim ** 0.5).to(dt) for _ in range(2))
+    w2 = torch.randn(n_experts, dim, hidden, generator=g).div(hidden ** 0.5).to(dt)
+    experts = torch.stack([torch.randperm(n_experts, generator=g)[:k] for _ in range(tokens)])
+    weights = torch.rand(tokens, k, generator=g).to(dt)
+    got = expert_gemv(*(t.to(device) for t in (x, experts, weights, w1, w3, w2)), tiles=tiles).cpu()
+    assert got.dtype == dt and got.shape == (tokens, dim)
+    want = _reference(x, experts, weights, w1, w3, w2)
+    return ((got.float() - want).abs().max() / want.abs().max()).item()
+
+
+# Every tile the GPU's autotuner may pick, on widths that are a multiple of none of them and a
+# reduction longer than the 128-wide tile.
+TILE_CASE = (5, 2, 2, 136, 72, "float32")
+
+
+def _kernel_cases(device: str) -> list[float]:
+    return [_case_error(device, case, i) for i, case in enumerate(CASES)]
+
+
+def _tile_cases(device: str) -> list[float]:
+    from duoka.models.moe_gemv import CANDIDATES
+
+    return [_case_error(device, TILE_CASE, 0, tiles) for tiles in CANDIDATES]
 
 
 def _layer(device: str) -> dict:
@@ -64,7 +77,7 @@ def _layer(device: str) -> dict:
 
     calls = []
     kernel = moe_gemv.expert_gemv
-    moe_gemv.expert_gemv = lambda *a: calls.append(1) or kernel(*a)
+    moe_gemv.expert_gemv = lambda *a, **kw: calls.append(1) or kernel(*a, **kw)
     torch.manual_seed(0)
     layer = MoE(48, 6, 2, 40, True, FeedForward(48, 80, ModelOptions()))
     for p in layer.parameters():
@@ -93,7 +106,7 @@ def _layer(device: str) -> dict:
 
 
 def _run(device: str = "cpu") -> dict:
-    return {"errors": _kernel_cases(device), "layer": _layer(device)}
+    return {"errors": _kernel_cases(device), "tile_errors": _tile_cases(device), "layer": _layer(device)}
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +117,10 @@ def result(triton_interpreted):
 def test_the_kernels_equal_the_experts_one_by_one(result):
     for case, error in zip(CASES, result["errors"]):
         assert error <= (2e-2 if case[-1] == "bfloat16" else 1e-5), (case, error)
+
+
+def test_every_candidate_tile_computes_the_same(result):
+    assert len(result["tile_errors"]) >= 2 and max(result["tile_errors"]) <= 1e-5, result["tile_errors"]
 
 
 def test_a_layer_on_one_token_takes_them_without_autograd(result):
