@@ -6,7 +6,8 @@ Row p of a sequence's prefill (the logits after its token p) scores token p + 1,
 prompt has rows 0..n-2 to read, and they are read as the prefill computes them, chunk by
 chunk: no second forward. The forward hands back those rows' final hidden states
 (PagedBatch.hidden_indices) and the head runs on them here, max_rows rows at a time: fp32
-log-softmax, the prompt token's logprob and rank, the top k. What comes back to the host is
+log-softmax, the prompt token's logprob and rank, the top k (on a GPU one kernel reads each
+row once: models.row_logprobs). What comes back to the host is
 2 + 2k numbers a row, never a row of the vocabulary, so a 32K-token prompt's answer stays
 small; on GPU at most max_rows rows of logits exist at once, as many as the profile step had.
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from duoka.models import row_logprobs
 from duoka.serve.logprob_columns import EntryRows
 from duoka.serve.sampling import HostCopy, to_device
 from duoka.serve.scheduler import ScheduledItem, Sequence
@@ -103,22 +105,27 @@ class PendingPromptLogprobs:
 
 @torch.inference_mode()
 def launch_prompt_logprobs(head: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, prompt: PromptRows,
-                           max_rows: int) -> PendingPromptLogprobs:
-    """hidden [P, dim]: the rows' final hidden states; head: hidden -> fp32 logits. Queued on
-    the device without waiting: [logprob P][rank P][top values P x k][top ids P x k], as fp64
-    (token ids are exact in it)."""
+                           max_rows: int, fused: bool) -> PendingPromptLogprobs:
+    """hidden [P, dim]: the rows' final hidden states; head: hidden -> logits in the model's
+    dtype; fused: read each row once in models.row_logprobs' kernel (a GPU with Triton, or its
+    interpreter), else torch ops on the fp32 row. Queued on the device without waiting:
+    [logprob P][rank P][top values P x k][top ids P x k], as fp64 (token ids are exact in it)."""
     targets = to_device(prompt.targets, hidden.device)
     k = prompt.top_k
+    stats = row_logprobs.row_stats if fused else row_logprobs.reference_row_stats
     logprobs, ranks, top_values, top_ids = [], [], [], []
     for start in range(0, len(hidden), max_rows):
         logits = head(hidden[start:start + max_rows])
-        norm = torch.logsumexp(logits, dim=-1, keepdim=True)
-        target = logits.gather(1, targets[start:start + max_rows, None])
-        logprobs.append((target - norm)[:, 0])
-        ranks.append((logits > target).sum(dim=-1) + 1)  # vLLM's rank: 1 + the tokens more likely
-        if k:
-            values, ids = logits.topk(k, dim=-1)  # sorted, most likely first
-            top_values.append((values - norm).flatten())
+        norm, target, greater, top_value, top_id = stats(logits, targets[start:start + max_rows])
+        logprobs.append(target - norm)
+        ranks.append(greater + 1)  # vLLM's rank: 1 + the tokens more likely
+        if k == 1:
+            top_values.append(top_value - norm)
+            top_ids.append(top_id)
+        elif k:
+            # Sorted, most likely first; bf16 widens to fp32 exactly, so the unwidened row's order is the fp32 row's.
+            values, ids = logits.topk(k, dim=-1)
+            top_values.append((values.float() - norm[:, None]).flatten())
             top_ids.append(ids.flatten())
         del logits
     packed = torch.cat([torch.cat(part).double() for part in (logprobs, ranks, top_values, top_ids) if part])

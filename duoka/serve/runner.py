@@ -350,7 +350,11 @@ class ModelRunner:
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final hidden states [R, dim] -> fp32 logits [R, vocab] (the output head is whole on
         every tensor-parallel rank: no collective)."""
-        return self.model.output(hidden).float()
+        return self.head_logits(hidden).float()
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """head()'s logits in the model's dtype: prompt logprobs read them unwidened."""
+        return self.model.output(hidden)
 
     def _eager(self, inputs: StepInputs, hidden_rows: torch.Tensor | None):
         """The forward without a graph: the model's output as it returns it (PagedBatch.hidden_indices)."""

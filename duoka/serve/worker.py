@@ -28,6 +28,7 @@ import torch.distributed as dist
 from duoka.errors import DuokaError
 from duoka.host.devices import compute_dtype_name
 from duoka.hub import bundled_model_dir, resolve_model_dir
+from duoka.models import row_logprobs
 from duoka.models.qwen2.args import ModelOptions
 from duoka.models.qwen2.hf_adapter import load_hf_model, read_config
 from duoka.models.qwen2.model import Qwen2
@@ -302,8 +303,10 @@ class Worker:
         if self._steps_group is not None:
             broadcast_step(inputs, self._steps_group)
         logits, hidden = self.runner.execute_with_hidden(inputs, prompt.rows)
-        # At most max_num_seqs rows of logits at once: what the profile step measured.
-        return logits, launch_prompt_logprobs(self.runner.head, hidden, prompt, self.config.max_num_seqs)
+        # At most max_num_seqs rows of logits at once: what the profile step measured. The fused
+        # kernel where the attention kernels run (backend "cuda": a GPU, or a test's interpreter).
+        return logits, launch_prompt_logprobs(self.runner.head_logits, hidden, prompt, self.config.max_num_seqs,
+                                              self.runner.backend == "cuda" and row_logprobs.available())
 
     def sample(self, logits: torch.Tensor, rows: list[SampleRow], masks: TokenMasks | None = None) -> PendingSample:
         """Rank 0: launch the sampling of `logits`, one row per entry of `rows` (masks: the
