@@ -11,9 +11,10 @@ import torch
 
 # Kernel names by what they do (a heuristic over CUDA kernel names: cuBLAS/CUTLASS gemms, flash
 # and the paged decode kernel, inductor's fused Triton kernels, PyTorch's own elementwise ones).
-# On CPU the same patterns sort the aten operators. First match wins.
-KERNEL_KINDS = (("matmul", r"gemm|cutlass|nvjet|sm90_|sm80_|matmul|splitk|aten::(add|b)?mm$"),
-                ("attention", r"flash|fmha|attn|attention|_decode_kernel|_merge_kernel|_write_kv|_mixed_kernel"),
+# On CPU the same patterns sort the aten operators. First match wins: attention first, since
+# flash attention's templated names carry cutlass types.
+KERNEL_KINDS = (("attention", r"flash|fmha|attn|attention|_decode_kernel|_merge_kernel|_write_kv|_mixed_kernel"),
+                ("matmul", r"gemm|cutlass|nvjet|sm90_|sm80_|matmul|splitk|aten::(add|b)?mm$"),
                 ("softmax_topk", r"softmax|logsumexp|topk|sort|reduce"),
                 ("triton", r"^triton"), ("copy_index", r"copy|index|gather|scatter|cat|fill"))
 
