@@ -63,6 +63,7 @@ class Result:
     output_tokens: int = 0
     ttft: float = 0.0  # seconds
     latency: float = 0.0
+    sent: float = 0.0  # time.perf_counter() when the request went out
     itl: list[float] = field(default_factory=list)
     usage_missing: bool = False
 
@@ -170,7 +171,23 @@ def summarize(results: list[Result], wall_s: float) -> dict:
         "itl_ms": spread_ms([gap for r in done for gap in r.itl]),
         "e2el_ms": spread_ms([r.latency for r in done]),
         "usage_missing": sum(r.usage_missing for r in done),
+        "slowest_first_tokens": slowest_first_tokens(done),
     }
+
+
+# How many of the longest waits for a first token a report lists.
+SLOWEST_SHOWN = 5
+
+
+def slowest_first_tokens(done: list[Result]) -> list[dict]:
+    """The longest waits for a first token, longest first, each with when its request went out
+    (seconds after the first request): a tail at the start is warm-up (a compile), one spread
+    over the run is queueing or steps that hold a long prefill."""
+    if not done:
+        return []
+    t0 = min(r.sent for r in done)
+    return [{"ttft_ms": 1e3 * r.ttft, "sent_s": r.sent - t0}
+            for r in sorted(done, key=lambda r: -r.ttft)[:SLOWEST_SHOWN]]
 
 
 # ---------------------------------------------------------------- the client
@@ -204,7 +221,7 @@ async def send(client: httpx.AsyncClient, model: str, request: Request) -> Resul
     usage = None
     first = last = None
     chunks = 0
-    start = time.perf_counter()
+    start = out.sent = time.perf_counter()
     try:
         path = "/v1/chat/completions" if request.chat else "/v1/completions"
         async with client.stream("POST", path, json=body) as response:

@@ -407,6 +407,7 @@ def bench_serve(o: ServeBenchOptions, log=print) -> dict:
         "tpot_ms": load["tpot_ms"],
         "itl_ms": load["itl_ms"],
         "e2el_ms": load["e2el_ms"],
+        "slowest_first_tokens": load["slowest_first_tokens"],
         "batch1_tokens_per_s": batch1["tokens_per_s"] if batch1 else None,
         "batch1": batch1,
         "peer_total_tokens_per_s": peer_total,
@@ -459,6 +460,9 @@ def render(result: dict, console) -> None:
         s = result[key]
         latency.add_row(label, f"{s['mean']:.1f}", f"{s['median']:.1f}", f"{s['p99']:.1f}")
     console.print(latency)
+    if result["slowest_first_tokens"]:
+        console.print("slowest first tokens: " + ", ".join(f"{s['ttft_ms']:.0f} ms (sent at {s['sent_s']:.1f} s)"
+                                                           for s in result["slowest_first_tokens"]))
     if result["batch1_tokens_per_s"] is not None:
         peer = result["peer_batch1_tokens_per_s"]
         console.print(f"batch 1: {result['batch1_tokens_per_s']:.1f} tok/s (one request alone, decode after the "

@@ -107,9 +107,15 @@ def test_concurrency_run_reports_every_field(duoka, server, tmp_path):
         assert 0 < r[key]["median"] <= r[key]["p99"], (key, r[key])
     assert r["ttft_ms"]["p99"] <= r["e2el_ms"]["p99"] and r["ttft_ms"]["mean"] < r["e2el_ms"]["mean"]
     assert r["tpot_ms"]["mean"] < r["e2el_ms"]["mean"]
+    slowest = r["slowest_first_tokens"]  # the five longest waits, longest first, with when each was sent
+    ttfts = [s["ttft_ms"] for s in slowest]
+    assert len(ttfts) == 5 and ttfts == sorted(ttfts, reverse=True), slowest
+    assert ttfts[-1] >= r["ttft_ms"]["median"] and ttfts[0] >= r["ttft_ms"]["p99"] - 1e-6, (slowest, r["ttft_ms"])
+    assert all(0 <= s["sent_s"] <= r["wall_s"] for s in slowest), slowest
     assert (r["peer_total_tokens_per_s"], r["vs_peer"], r["batch1_tokens_per_s"], r["peer"]) == (None, None, None, None)
     assert r["command"].startswith("duoka bench serve --url http://127.0.0.1:") and r["server_command"] is None
     assert "time to first token" in proc.stderr and "total tok/s" in proc.stderr
+    assert f"slowest first tokens: {slowest[0]['ttft_ms']:.0f} ms (sent at {slowest[0]['sent_s']:.1f} s)" in proc.stderr
     assert "duoka bench serve: 12/12 requests done (0 failed), 96 output tokens" in proc.stderr  # progress
 
 
