@@ -34,14 +34,6 @@ import numpy as np
 from duoka.serve.logprob_cache import BlockLogprobs
 
 
-def block_hash(parent: bytes, token_ids: list[int]) -> bytes:
-    """Hash of one full block: its token ids chained with the parent block's hash (b"" for the
-    first block). SHA-256, as vLLM's default: prompts are untrusted input, and a collision made
-    on purpose would let one request read another's cache entries; Python's hash() is not
-    collision-resistant. About a microsecond per block."""
-    return hashlib.sha256(parent + array("q", token_ids).tobytes()).digest()
-
-
 def chain_seed(adapter: int) -> bytes:
     """The parent hash of a sequence's first block: b"" for the base model, a digest of the
     slot for a LoRA adapter's (Sequence.adapter). The same tokens give other keys and values
@@ -217,14 +209,13 @@ class BlockManager:
     def _read_entries(self, seq, end: int) -> None:
         """Take seq's prompt rows prompt_logprob_rows..end - 1 (tokens up to end) from the
         entries of the blocks holding their tokens (_scorable found them there)."""
-        bs, k, ids = self.block_size, seq.params.prompt_logprobs, seq.all_ids
+        bs = self.block_size
         token = seq.prompt_logprob_rows + 1  # row r scores token r + 1
-        while token <= end:
-            j = token // bs
-            upto = min(end + 1, (j + 1) * bs)
-            rows = self.logprobs.read(seq.block_hashes[j], ids[token:upto], token - j * bs, k)
-            seq.prompt_logprob_entries.append(rows)
-            token = upto
+        if token <= end:
+            first, last = token // bs, end // bs  # the blocks holding tokens token..end
+            seq.prompt_logprob_entries.append(self.logprobs.read(
+                seq.block_hashes[first:last + 1], seq.all_ids[token:end + 1], token - first * bs,
+                seq.params.prompt_logprobs))
         seq.prompt_logprob_rows = max(seq.prompt_logprob_rows, end)
 
     # ------------------------------------------------------------------ running
@@ -266,9 +257,11 @@ class BlockManager:
         are all prompt tokens and their rows have landed. Keyed by hash, they go with whichever
         block the cache holds under it (a twin computed side by side is not cached)."""
         bs, k, entries = self.block_size, seq.params.prompt_logprobs, seq.prompt_logprob_entries
-        for i in range(start, min(end, seq.num_prompt_tokens // bs, len(entries) // bs + 1)):
-            if (i + 1) * bs - 1 <= len(entries) and seq.block_hashes[i] in self.cached:
-                self.logprobs.put(seq.block_hashes[i], entries.rows(max(i * bs - 1, 0), (i + 1) * bs - 1), k)
+        # Blocks whose tokens' entries have all landed: block i's last token is entry (i + 1) * bs - 2.
+        stop = min(end, seq.num_prompt_tokens // bs, (len(entries) + 1) // bs)
+        if stop > start:
+            blocks = [h if h in self.cached else None for h in seq.block_hashes[start:stop]]
+            self.logprobs.put(blocks, entries.rows(max(start * bs - 1, 0), stop * bs - 1), k)
 
     def free(self, seq) -> None:
         """Release seq's blocks (finish, abort or preemption): reference counts drop; a block
@@ -309,9 +302,26 @@ class BlockManager:
         self.ref_counts[b] = 1
         return b
 
+    def hash_prompt(self, seq) -> None:
+        """Hash seq's full prompt blocks now (a new request: the engine adds it while the device
+        runs a step, so the scheduler does not do it with the device idle)."""
+        if self.enable_prefix_caching:
+            self._extend_hashes(seq, seq.num_prompt_tokens // self.block_size)
+
     def _extend_hashes(self, seq, n: int) -> None:
-        """Make seq.block_hashes cover its first n full blocks (tokens of all_ids, which only grow)."""
+        """Make seq.block_hashes cover its first n full blocks (tokens of all_ids, which only grow).
+        A block's hash chains its token ids (int64 bytes) to the parent block's hash (chain_seed
+        for the first). SHA-256, as vLLM's default: prompts are untrusted input, and a collision
+        made on purpose would let one request read another's cache entries; Python's hash() is
+        not collision-resistant. About a microsecond per block."""
         hashes, ids, bs = seq.block_hashes, seq.all_ids, self.block_size
         assert n * bs <= len(ids)
-        for i in range(len(hashes), n):
-            hashes.append(block_hash(hashes[-1] if i else chain_seed(seq.adapter), ids[i * bs:(i + 1) * bs]))
+        if n <= len(hashes):
+            return
+        # The new blocks' tokens as bytes at once, cut per block.
+        first = len(hashes)
+        data, width = array("q", ids[first * bs:n * bs]).tobytes(), bs * 8
+        parent = hashes[-1] if first else chain_seed(seq.adapter)
+        for j in range(n - first):
+            parent = hashlib.sha256(parent + data[j * width:(j + 1) * width]).digest()
+            hashes.append(parent)

@@ -4,7 +4,7 @@ logprobs, vLLM's prompt_logprobs) share a cached prefix instead of computing it 
 What an entry depends on: prefill row p's logits (after tokens 0..p) score prompt token p + 1,
 so token t's entry (its logprob and rank, the k most likely tokens at its place) is a function
 of tokens 0..t and nothing else. The entry of token t is therefore kept with the block that
-holds token t, under that block's chain hash (blocks.block_hash), which names every token up
+holds token t, under that block's chain hash (BlockManager._extend_hashes), which names every token up
 to the block's end: tokens 0..t included. Keyed by the block of the row instead (token t - 1's),
 the entry of a block's first token would hang on a hash that does not name that token.
 
@@ -57,32 +57,48 @@ class BlockLogprobs:
         record = self.records.get(block)
         return record is not None and record.k >= k
 
-    def put(self, block: bytes, rows: EntryRows, k: int) -> None:
-        """Keep the entries of a block's tokens (block 0's: its tokens 1.., so one fewer), each
-        with k alternatives. A record of at least k already there stays (the same values: both
-        come from the same tokens); a smaller one is replaced."""
-        bs, n = self.block_size, len(rows.token_ids)
-        assert 0 <= k <= MAX_LOGPROBS and n in (bs, bs - 1) and rows.top_ids.shape == (n, k), (k, rows.top_ids.shape)
-        if self.has(block, k):
-            return
-        first = bs - n  # 1 for block 0, whose first token has no entry
-        logprobs = np.full(bs, np.nan, dtype=np.float32)
-        ranks = np.zeros(bs, dtype=np.int32)
-        top_ids = np.zeros((bs, k), dtype=np.int32)
-        top_values = np.zeros((bs, k), dtype=np.float32)
+    def put(self, blocks: list[bytes | None], rows: EntryRows, k: int) -> None:
+        """Keep the entries of consecutive full blocks' tokens (None: a block not to keep), each
+        with k alternatives: rows run to the last block's end, from its first block's token 0,
+        or token 1 for block 0 (whose first token has no entry). A record of at least k already
+        there stays (the same values: both come from the same tokens); a smaller one is
+        replaced. The run is narrowed once, then each record gets arrays of its own (a block
+        outlives its neighbours in the cache); block by block this was ~25 us of the host's
+        step time each (bench/NOTES.md 44)."""
+        bs, n = self.block_size, len(blocks)
+        first = n * bs - len(rows.token_ids)  # 1 for a run from block 0
+        assert 0 <= k <= MAX_LOGPROBS and first in (0, 1) and rows.top_ids.shape == (n * bs - first, k), (
+            k, first, rows.top_ids.shape)
+        logprobs = np.full(n * bs, np.nan, dtype=np.float32)
+        ranks = np.zeros(n * bs, dtype=np.int32)
+        top_ids = np.zeros((n * bs, k), dtype=np.int32)
+        top_values = np.zeros((n * bs, k), dtype=np.float32)
         # fp32 values widened on the way in: narrowing them back is exact.
         logprobs[first:], ranks[first:] = rows.logprobs, rows.ranks
         top_ids[first:], top_values[first:] = rows.top_ids, rows.top_values
-        self.records[block] = BlockRecord(k, logprobs, ranks, top_ids, top_values)
+        for j, block in enumerate(blocks):
+            if block is not None and not self.has(block, k):
+                cut = slice(j * bs, (j + 1) * bs)
+                self.records[block] = BlockRecord(k, logprobs[cut].copy(), ranks[cut].copy(), top_ids[cut].copy(),
+                                                  top_values[cut].copy())
 
-    def read(self, block: bytes, token_ids: list[int], first: int, k: int) -> EntryRows:
-        """The entries of the block's tokens token_ids, which sit at slots first, first + 1, ...,
-        with their k most likely alternatives (a record's own k >= k, cut)."""
-        record = self.records[block]
+    def read(self, blocks: list[bytes], token_ids: list[int], first: int, k: int) -> EntryRows:
+        """The entries of token_ids, the tokens held by consecutive blocks from slot `first` of
+        the first, with their k most likely alternatives (each record's own k >= k, cut). One
+        concatenation per column for the whole run: a scoring request reads ~15 blocks of its
+        shared context, and block by block that was ~30 us of the host's step time each
+        (bench/NOTES.md 44)."""
+        records = [self.records[block] for block in blocks]
         end = first + len(token_ids)
-        assert record.k >= k and end <= self.block_size and not np.isnan(record.logprobs[first:end]).any()
-        return EntryRows(np.asarray(token_ids, dtype=np.int64), record.logprobs[first:end], record.ranks[first:end],
-                         record.top_ids[first:end, :k], record.top_values[first:end, :k])
+        assert all(r.k >= k for r in records) and end <= self.block_size * len(records), (k, end, len(records))
+
+        def column(part):
+            return np.concatenate([part(r) for r in records])[first:end]
+
+        logprobs = column(lambda r: r.logprobs)
+        assert not np.isnan(logprobs).any(), "a slot without an entry"  # block 0's first token
+        return EntryRows(np.asarray(token_ids, dtype=np.int64), logprobs, column(lambda r: r.ranks),
+                         column(lambda r: r.top_ids[:, :k]), column(lambda r: r.top_values[:, :k]))
 
     def drop(self, block: bytes) -> None:
         """The block left the prefix cache (evicted): its entries go with it."""

@@ -209,6 +209,7 @@ class Scheduler:
         longest = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
         capacity = self.block_manager.num_blocks * self.block_manager.block_size
         assert longest <= capacity, f"{seq.request_id}: {longest} tokens cannot fit in a cache of {capacity}"
+        self.block_manager.hash_prompt(seq)
         self.requests[seq.request_id] = seq
         self.waiting.append(seq)
 

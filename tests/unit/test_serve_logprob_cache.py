@@ -253,3 +253,29 @@ def test_a_scoring_request_waits_only_where_waiting_lets_it_read_more():
     assert bm.waits_for_entries(two, in_flight)
     assert not bm.waits_for_entries(one, in_flight)  # one shared block: it would read nothing more
     assert not bm.waits_for_entries(wider, in_flight)  # entries of k 1 would not serve k 2
+
+
+def test_a_run_of_blocks_is_kept_and_read_back_at_once():
+    """BlockLogprobs.put keeps a run of blocks from one conversion (block 0 one entry short, a
+    block not to keep skipped, each record its own arrays) and read gives back any slots of
+    consecutive blocks with k cut, exactly the rows put."""
+    from duoka.serve.logprob_cache import BlockLogprobs
+
+    cache, bs, k = BlockLogprobs(4), 4, 2
+    rng = np.random.default_rng(0)
+    n = 3 * bs - 1  # blocks 0..2, block 0 without its first token
+    rows = EntryRows(np.arange(1, n + 1), rng.standard_normal(n).astype(np.float32).astype(np.float64),
+                     np.arange(n) + 1, rng.integers(0, 1000, (n, k)), rng.standard_normal((n, k)).astype(np.float32))
+    cache.put([b"b0", None, b"b2"], rows, k)
+    assert len(cache) == 2 and not cache.has(b"b1", 1) and cache.has(b"b2", 2) and not cache.has(b"b2", 3)
+    cache.put([b"b1"], EntryRows(*(column[bs - 1:2 * bs - 1] for column in rows)), k)  # the skipped one, alone
+    got = cache.read([b"b0", b"b1", b"b2"], list(range(2, 11)), 2, 1)  # tokens 2..10: slot 2 of block 0 on
+    assert got.token_ids.tolist() == list(range(2, 11))
+    for name in ("logprobs", "ranks"):
+        assert np.array_equal(getattr(got, name), getattr(rows, name)[1:10]), name
+    assert np.array_equal(got.top_ids, rows.top_ids[1:10, :1]) and np.array_equal(got.top_values, rows.top_values[1:10, :1])
+    # Each record owns its arrays: no view keeps the run's conversion (or the request's rows) alive.
+    assert all(array.base is None for r in cache.records.values()
+               for array in (r.logprobs, r.ranks, r.top_ids, r.top_values))
+    with pytest.raises(AssertionError, match="without an entry"):
+        cache.read([b"b0"], [0, 1], 0, 1)  # block 0's token 0 has none
