@@ -1,4 +1,4 @@
-"""Triton kernels for the routed experts of one token (batch-1 decode of a Qwen2-MoE; GPU only).
+"""Triton kernels for one token's MoE layer (batch-1 decode of a Qwen2-MoE; GPU only).
 
 At one token the experts' work is k matrix-vector products per projection, bound by reading
 the chosen experts' weights. The grouped GEMM that serves many tokens (torch's cutlass
@@ -7,10 +7,17 @@ to keep an H100's 132 SMs reading: 1.2 TB/s of its 3.0 (bench/NOTES.md 41). Here
 program reads BLOCK_N rows of one chosen expert's weight, so a token's experts make hundreds
 of programs, and the token needs no sort by expert, no group offsets and no permutation back.
 
-Two kernels: gate and up together (the two weights' rows of one expert read side by side,
-SwiGLU applied in fp32, the product rounded to the weights' dtype as the grouped path rounds
-it), then down, each (token, expert) row scaled by its routing weight in fp32; the k rows
-are summed by the caller. Everything is read on the device: a CUDA graph replays it.
+The experts (`expert_gemv`), two kernels: gate and up together (the two weights' rows of one
+expert read side by side, SwiGLU applied in fp32, the product rounded to the weights' dtype as
+the grouped path rounds it), then down, each program summing its rows over the token's k
+experts in slot order in fp32, each scaled by its routing weight, and rounding once.
+
+The routing (`route_one_token`), two kernels: the router's E logits and the shared expert's
+gate logit as one GEMV (each rounded to the compute dtype, as F.linear's output is), then one
+program for the softmax in fp32, the top-k and its renormalisation. At one token torch's
+routing took ~8 kernels a layer (two cuBLAS GEMVs, a reduction, the softmax, a radix top-k and
+a bitonic sort), ~17% of the A2.7B's step in kernels and as much again in gaps between them
+(bench/NOTES.md 44). Everything is read on the device: a CUDA graph replays it.
 """
 
 from __future__ import annotations
@@ -42,7 +49,11 @@ class GemvTiles:
 # per shape, in the warm-up forward that every CUDA graph capture runs first (runner.capture_graph).
 DEFAULT_TILES = GemvTiles(16, 256)
 CANDIDATES = (DEFAULT_TILES, GemvTiles(8, 256), GemvTiles(8, 512), GemvTiles(4, 512), GemvTiles(16, 128),
-              GemvTiles(16, 512, 8), GemvTiles(32, 256, 8), GemvTiles(32, 128))
+              GemvTiles(16, 512, 8), GemvTiles(32, 256, 8), GemvTiles(32, 128), GemvTiles(4, 256))
+
+# The router GEMV's (rows, reduction) tiles: E + 1 = 61-65 rows of 2,048-3,584 (Qwen2-MoE), so
+# 8-33 programs; the first is the interpreter's.
+ROUTER_CANDIDATES = ((4, 256), (2, 512), (8, 256), (4, 512), (2, 256))
 
 
 # Triton's interpreter runs the kernels on CPU tensors (the tests): set before Triton is imported.
@@ -56,7 +67,7 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _gate_up_kernel(X, W1, W3, EXPERTS, H, rows, hidden, dim, stride_we, stride_wn, TOPK: tl.constexpr,
+    def _gate_up_kernel(X, W1, W3, EXPERTS, H, tokens, hidden, dim, stride_we, stride_wn, TOPK: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         row = tl.program_id(0)  # (token, slot): token row // TOPK
         tile = tl.program_id(1)
@@ -79,34 +90,79 @@ if triton is not None:
         tl.store(H + row * hidden + n, h.to(H.dtype.element_ty), mask=n_ok)
 
     @triton.jit
-    def _down_kernel(H, W2, EXPERTS, WEIGHTS, Y, rows, hidden, dim, stride_we, stride_wn,
+    def _down_kernel(H, W2, EXPERTS, WEIGHTS, Y, tokens, hidden, dim, stride_we, stride_wn, TOPK: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        row = tl.program_id(0)
+        token = tl.program_id(0)
         tile = tl.program_id(1)
-        expert = tl.load(EXPERTS + row).to(tl.int64)
         n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < dim
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        base = expert * stride_we + n[:, None] * stride_wn
-        for k0 in range(0, hidden, BLOCK_K):
+        out = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for slot in range(TOPK):  # slot order, fp32: the sum over the token's experts, rounded once
+            row = token * TOPK + slot
+            expert = tl.load(EXPERTS + row).to(tl.int64)
+            base = expert * stride_we + n[:, None] * stride_wn
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, hidden, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                k_ok = k < hidden
+                h = tl.load(H + row * hidden + k, mask=k_ok, other=0.0).to(tl.float32)
+                w2 = tl.load(W2 + base + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                acc += tl.sum(w2 * h[None, :], axis=1)
+            out += acc * tl.load(WEIGHTS + row).to(tl.float32)
+        tl.store(Y + token * dim + n, out.to(Y.dtype.element_ty), mask=n_ok)
+
+    @triton.jit
+    def _router_logits_kernel(X, WR, WG, LOGITS, GATE, n_experts, dim, stride_wr, BLOCK_E: tl.constexpr,
+                              BLOCK_K: tl.constexpr):
+        # Rows 0..E-1 the router's, row E the shared expert's gate: one GEMV over both.
+        r = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+        is_router = r < n_experts
+        is_gate = r == n_experts
+        acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+        for k0 in range(0, dim, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < hidden
-            h = tl.load(H + row * hidden + k, mask=k_ok, other=0.0).to(tl.float32)
-            w2 = tl.load(W2 + base + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            acc += tl.sum(w2 * h[None, :], axis=1)
-        weight = tl.load(WEIGHTS + row).to(tl.float32)
-        tl.store(Y + row * dim + n, acc * weight, mask=n_ok)
+            k_ok = k < dim
+            x = tl.load(X + k, mask=k_ok, other=0.0).to(tl.float32)
+            wr = tl.load(WR + r[:, None] * stride_wr + k[None, :], mask=is_router[:, None] & k_ok[None, :], other=0.0)
+            wg = tl.load(WG + r[:, None] * 0 + k[None, :], mask=is_gate[:, None] & k_ok[None, :], other=0.0)
+            acc += tl.sum((wr.to(tl.float32) + wg.to(tl.float32)) * x[None, :], axis=1)  # one of the two is 0
+        tl.store(LOGITS + r, acc.to(LOGITS.dtype.element_ty), mask=is_router)
+        tl.store(GATE + r * 0, acc.to(GATE.dtype.element_ty), mask=is_gate)
+
+    @triton.jit
+    def _router_topk_kernel(LOGITS, WEIGHTS, EXPERTS, n_experts, TOPK: tl.constexpr, SLOTS: tl.constexpr,
+                            NORM: tl.constexpr, BLOCK_E: tl.constexpr):
+        e = tl.arange(0, BLOCK_E)
+        ok = e < n_experts
+        logits = tl.load(LOGITS + e, mask=ok, other=float("-inf")).to(tl.float32)
+        p = tl.exp(logits - tl.max(logits, axis=0))
+        left = tl.where(ok, p / tl.sum(p, axis=0), -1.0)  # the softmax; -1 marks taken or absent experts
+        slots = tl.arange(0, SLOTS)
+        chosen = tl.zeros([SLOTS], dtype=tl.int64)
+        probs = tl.zeros([SLOTS], dtype=tl.float32)
+        for slot in tl.static_range(TOPK):  # most probable first; of equals, the lowest index
+            best = tl.max(left, axis=0)
+            pick = tl.min(tl.where(left == best, e, BLOCK_E), axis=0)
+            chosen = tl.where(slots == slot, pick.to(tl.int64), chosen)
+            probs = tl.where(slots == slot, best, probs)
+            left = tl.where(e == pick, -1.0, left)
+        if NORM:
+            probs = probs / tl.sum(probs, axis=0)
+        tl.store(EXPERTS + slots, chosen, mask=slots < TOPK)
+        tl.store(WEIGHTS + slots, probs.to(WEIGHTS.dtype.element_ty), mask=slots < TOPK)
 
     def _tuned(kernel):
         configs = [triton.Config({"BLOCK_N": t.block_n, "BLOCK_K": t.block_k}, num_warps=t.num_warps)
                    for t in CANDIDATES]
-        return triton.autotune(configs, key=["hidden", "dim", "rows"])(kernel)
+        return triton.autotune(configs, key=["hidden", "dim", "tokens"])(kernel)
 
     _gate_up_tuned, _down_tuned = _tuned(_gate_up_kernel), _tuned(_down_kernel)
+    _router_tuned = triton.autotune([triton.Config({"BLOCK_E": e, "BLOCK_K": k}) for e, k in ROUTER_CANDIDATES],
+                                    key=["n_experts", "dim"])(_router_logits_kernel)
 
 
 def chosen_tiles() -> dict[str, GemvTiles | None]:
-    """The autotuner's pick for each kernel's last shape (None before a GPU call): for the bench."""
+    """The autotuner's pick for each expert kernel's last shape (None before a GPU call): for the bench."""
     if triton is None:
         return {"gate_up": None, "down": None}
     picks = {}
@@ -125,23 +181,52 @@ def expert_gemv(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w
     instead of the autotuner's (on the interpreter: DEFAULT_TILES unless given)."""
     tokens, top_k = experts.shape
     _, hidden, dim = w1.shape
-    rows = tokens * top_k
     if not all(w.is_contiguous() for w in (w1, w3, w2)):  # w1 and w3 share their strides in the kernel
         raise ValueError("expert_gemv reads contiguous expert weights (a copy each step would cost more than it saves)")
     x = x.contiguous()
     flat_experts, flat_weights = experts.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
-    h = torch.empty(rows, hidden, device=x.device, dtype=w1.dtype)
-    y = torch.empty(rows, dim, device=x.device, dtype=torch.float32)
-    gate_up_args = (x, w1, w3, flat_experts, h, rows, hidden, dim, w1.stride(0), w1.stride(1))
-    down_args = (h, w2, flat_experts, flat_weights, y, rows, hidden, dim, w2.stride(0), w2.stride(1))
+    h = torch.empty(tokens * top_k, hidden, device=x.device, dtype=w1.dtype)
+    y = torch.empty(tokens, dim, device=x.device, dtype=x.dtype)
+    gate_up_args = (x, w1, w3, flat_experts, h, tokens, hidden, dim, w1.stride(0), w1.stride(1))
+    down_args = (h, w2, flat_experts, flat_weights, y, tokens, hidden, dim, w2.stride(0), w2.stride(1))
     if tiles is None and INTERPRETED:
         tiles = DEFAULT_TILES
     if tiles is None:
-        _gate_up_tuned[lambda meta: (rows, triton.cdiv(hidden, meta["BLOCK_N"]))](*gate_up_args, TOPK=top_k)
-        _down_tuned[lambda meta: (rows, triton.cdiv(dim, meta["BLOCK_N"]))](*down_args)
+        _gate_up_tuned[lambda meta: (tokens * top_k, triton.cdiv(hidden, meta["BLOCK_N"]))](*gate_up_args, TOPK=top_k)
+        _down_tuned[lambda meta: (tokens, triton.cdiv(dim, meta["BLOCK_N"]))](*down_args, TOPK=top_k)
     else:
-        _gate_up_kernel[(rows, triton.cdiv(hidden, tiles.block_n))](
+        _gate_up_kernel[(tokens * top_k, triton.cdiv(hidden, tiles.block_n))](
             *gate_up_args, TOPK=top_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps)
-        _down_kernel[(rows, triton.cdiv(dim, tiles.block_n))](
-            *down_args, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps)
-    return y.view(tokens, top_k, dim).sum(dim=1).to(x.dtype)
+        _down_kernel[(tokens, triton.cdiv(dim, tiles.block_n))](
+            *down_args, TOPK=top_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps)
+    return y
+
+
+def route_one_token(x: torch.Tensor, router_weight: torch.Tensor, gate_weight: torch.Tensor, top_k: int,
+                    norm_topk_prob: bool, tile: tuple[int, int] | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One token's routing, as moe.route computes it, and its shared-expert gate logit.
+
+    x [1, dim]; router_weight [E, dim]; gate_weight [1, dim] -> (weights [1, k] in x's dtype,
+    experts [1, k] int64 most probable first, gate logit [1, 1] in x's dtype). tile: the GEMV's
+    (rows, reduction block) instead of the autotuner's (on the interpreter: the first candidate)."""
+    if x.shape[0] != 1 or not (router_weight.dtype == gate_weight.dtype == x.dtype):
+        raise ValueError(f"route_one_token routes one token in its weights' dtype, not {tuple(x.shape)} {x.dtype}")
+    n_experts, dim = router_weight.shape
+    if router_weight.stride(1) != 1 or not gate_weight.is_contiguous():
+        raise ValueError("route_one_token reads the router's rows contiguous")
+    x = x.contiguous()
+    logits = torch.empty(n_experts, device=x.device, dtype=x.dtype)
+    gate_logit = torch.empty(1, 1, device=x.device, dtype=x.dtype)
+    weights = torch.empty(1, top_k, device=x.device, dtype=x.dtype)
+    experts = torch.empty(1, top_k, device=x.device, dtype=torch.int64)
+    args = (x, router_weight, gate_weight, logits, gate_logit, n_experts, dim, router_weight.stride(0))
+    if tile is None and INTERPRETED:
+        tile = ROUTER_CANDIDATES[0]
+    if tile is None:
+        _router_tuned[lambda meta: (triton.cdiv(n_experts + 1, meta["BLOCK_E"]),)](*args)
+    else:
+        _router_logits_kernel[(triton.cdiv(n_experts + 1, tile[0]),)](*args, BLOCK_E=tile[0], BLOCK_K=tile[1])
+    _router_topk_kernel[(1,)](logits, weights, experts, n_experts, TOPK=top_k, SLOTS=triton.next_power_of_2(top_k),
+                              NORM=norm_topk_prob, BLOCK_E=triton.next_power_of_2(n_experts))
+    return weights, experts, gate_logit

@@ -1,8 +1,10 @@
-"""moe_gemv's Triton kernels (one token's routed experts as GEMVs: batch-1 decode of a
-Qwen2-MoE) equal the experts computed one by one: widths that are not multiples of the
-kernel's tiles (a tensor-parallel shard's), top-k of 1 to 8, a few tokens; and a MoE layer on
-one token without autograd takes them (a compiled block too, where the op is opaque) with the
-output and routing counts of the grouped path. Run by Triton's interpreter on the CPU
+"""moe_gemv's Triton kernels (one token's MoE layer as GEMVs: batch-1 decode of a Qwen2-MoE).
+The experts equal the experts computed one by one: widths that are not multiples of the
+kernel's tiles (a tensor-parallel shard's), top-k of 1 to 8, a few tokens. The routing equals
+moe.route (the same experts in the same order, their weights) and the gate logit F.linear,
+for every candidate tile. A MoE layer on one token without autograd takes the experts' kernels
+(a compiled block too, where the op is opaque) with the output and routing counts of the
+grouped path, and where no statistics are asked (serving) the routing's kernels too. Run by Triton's interpreter on the CPU
 (TRITON_INTERPRET=1 before Triton is imported: a process of its own). On a GPU the same
 checks run compiled for real: `python3 tests/unit/test_moe_gemv.py --device cuda`."""
 
@@ -67,6 +69,41 @@ def _tile_cases(device: str) -> list[float]:
     return [_case_error(device, TILE_CASE, 0, tiles) for tiles in CANDIDATES]
 
 
+# (experts, top-k, dim, norm_topk_prob, dtype): the A2.7B's 60 of 4 unnormalised and the 57B's
+# 64 of 8 normalised among them; a reduction past one 256 block; bf16 (the interpreter rounds
+# fp32 to bf16 toward zero, so a logit may lie an ulp from F.linear's: the GPU run rounds to nearest).
+ROUTE_CASES = [
+    (6, 2, 48, True, "float32"),
+    (60, 4, 300, False, "float32"),
+    (64, 8, 72, True, "float32"),
+    (5, 1, 40, False, "float32"),
+    (60, 4, 64, True, "bfloat16"),
+]
+
+
+def _route_cases(device: str) -> list[dict]:
+    from duoka.models.moe_gemv import ROUTER_CANDIDATES, route_one_token
+    from duoka.models.qwen2.moe import route
+
+    results = []
+    for i, (n_experts, k, dim, norm, dtype) in enumerate(ROUTE_CASES):
+        g = torch.Generator().manual_seed(i)
+        dt = getattr(torch, dtype)
+        # A trained router's logits are a few units wide: weights ~ 1/sqrt(dim), x ~ 1.
+        x = torch.randn(1, dim, generator=g).to(dt)
+        router, gate = (torch.randn(rows, dim, generator=g).div(dim ** 0.5).to(dt) for rows in (n_experts, 1))
+        want = route(x, router, k, norm)
+        want_gate = torch.nn.functional.linear(x, gate)
+        for tile in ROUTER_CANDIDATES:
+            weights, experts, gate_logit = (t.cpu() for t in route_one_token(
+                x.to(device), router.to(device), gate.to(device), k, norm, tile))
+            results.append({"case": i, "tile": tile, "experts_equal": torch.equal(experts, want.experts),
+                            "dtypes": [str(weights.dtype), str(experts.dtype), str(gate_logit.dtype)],
+                            "weights_error": (weights.float() - want.weights.float()).abs().max().item(),
+                            "gate_error": (gate_logit.float() - want_gate.float()).abs().max().item()})
+    return results
+
+
 def _layer(device: str) -> dict:
     """A MoE layer on one token: inference takes the kernels (counted), training the grouped
     path; eager and compiled (aot_eager, whole graph) alike."""
@@ -75,9 +112,10 @@ def _layer(device: str) -> dict:
     from duoka.models.qwen2.model import FeedForward
     from duoka.models.qwen2.moe import MoE
 
-    calls = []
-    kernel = moe_gemv.expert_gemv
+    calls, routes = [], []
+    kernel, router = moe_gemv.expert_gemv, moe_gemv.route_one_token
     moe_gemv.expert_gemv = lambda *a, **kw: calls.append(1) or kernel(*a, **kw)
+    moe_gemv.route_one_token = lambda *a, **kw: routes.append(1) or router(*a, **kw)
     torch.manual_seed(0)
     layer = MoE(48, 6, 2, 40, True, FeedForward(48, 80, ModelOptions()))
     for p in layer.parameters():
@@ -99,14 +137,19 @@ def _layer(device: str) -> dict:
         both = torch.compile(half, backend="aot_eager", fullgraph=True, dynamic=True)
         three = torch.randn(3, 48, device=device, dtype=torch.bfloat16)
         bf16_errors = [(both(t)[0] - half(t)[0]).abs().max().item() for t in (x.to(torch.bfloat16), three)]
-    return {"eager_calls": eager_calls, "compiled_calls": len(calls) - eager_calls,
+    with torch.inference_mode():  # bf16 served: the routing's kernels against torch's routing
+        served_bf16 = torch.compile(half, backend="aot_eager", fullgraph=True, dynamic=True)(x.to(torch.bfloat16), False)
+        bf16_routed = half(x.to(torch.bfloat16))[0]
+    return {"eager_calls": eager_calls, "compiled_calls": len(calls) - eager_calls, "route_calls": len(routes),
+            "served_bf16_error": (served_bf16[0].float() - bf16_routed.float()).abs().max().item(),
             "error": (got - want).abs().max().item(), "compiled_error": (compiled_out - want).abs().max().item(),
             "counts_equal": torch.equal(stats.expert_counts, want_stats.expert_counts), "bf16_errors": bf16_errors,
             "served_error": (served - want).abs().max().item(), "served_stats": served_stats is not None}
 
 
 def _run(device: str = "cpu") -> dict:
-    return {"errors": _kernel_cases(device), "tile_errors": _tile_cases(device), "layer": _layer(device)}
+    return {"errors": _kernel_cases(device), "tile_errors": _tile_cases(device), "routes": _route_cases(device),
+            "layer": _layer(device)}
 
 
 @pytest.fixture(scope="module")
@@ -123,12 +166,24 @@ def test_every_candidate_tile_computes_the_same(result):
     assert len(result["tile_errors"]) >= 2 and max(result["tile_errors"]) <= 1e-5, result["tile_errors"]
 
 
+def test_the_routing_kernels_route_as_torch(result):
+    routes = result["routes"]
+    assert len(routes) == len(ROUTE_CASES) * 5, len(routes)
+    for r in routes:
+        bf16 = ROUTE_CASES[r["case"]][-1] == "bfloat16"
+        assert r["experts_equal"], r
+        assert r["dtypes"] == [f"torch.{ROUTE_CASES[r['case']][-1]}", "torch.int64", f"torch.{ROUTE_CASES[r['case']][-1]}"], r
+        assert r["weights_error"] <= (2e-2 if bf16 else 1e-6) and r["gate_error"] <= (2e-2 if bf16 else 1e-6), r
+
+
 def test_a_layer_on_one_token_takes_them_without_autograd(result):
     layer = result["layer"]
-    # Once in each one-token call (eager, compiled fp32 with and without statistics, compiled and
-    # eager bf16), never for three tokens.
-    assert layer["eager_calls"] == 1 and layer["compiled_calls"] == 4, layer
+    # The experts' kernels once in each one-token call (eager, compiled fp32 with and without
+    # statistics, compiled and eager bf16, compiled bf16 served and its eager reference), never
+    # for three tokens; the routing's only where no statistics are asked (the two served calls).
+    assert layer["eager_calls"] == 1 and layer["compiled_calls"] == 6 and layer["route_calls"] == 2, layer
     assert layer["served_error"] <= 1e-5 and not layer["served_stats"], layer
+    assert layer["served_bf16_error"] <= 2e-2, layer
     assert layer["error"] <= 1e-5 and layer["compiled_error"] <= 1e-5, layer
     assert layer["counts_equal"], layer
     assert max(layer["bf16_errors"]) <= 1e-6, layer  # compiled as eager, the same kernels

@@ -165,6 +165,17 @@ def _(x, experts, weights, w1, w3, w2):
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("duoka::route_one_token", mutates_args=())
+def _route_one_token_op(x: torch.Tensor, router_weight: torch.Tensor, gate_weight: torch.Tensor, top_k: int,
+                        norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return moe_gemv.route_one_token(x, router_weight, gate_weight, top_k, norm_topk_prob)
+
+
+@_route_one_token_op.register_fake
+def _(x, router_weight, gate_weight, top_k, norm_topk_prob):
+    return x.new_empty(1, top_k), x.new_empty(1, top_k, dtype=torch.int64), x.new_empty(1, 1)
+
+
 def one_token_gemv(x: torch.Tensor, experts: GroupedExperts) -> bool:
     """Whether x's experts run as moe_gemv's Triton GEMVs: one token (batch-1 decode, where the
     grouped GEMM leaves most SMs idle), no autograd or autocast, plain weights, the default gemm;
@@ -211,6 +222,8 @@ class MoE(nn.Module):
         """with_stats=False (serving: no loss and no monitor reads them) returns None for the
         statistics and skips their reductions and casts, ~3% of a batch-1 step (bench/NOTES.md 43)."""
         flat = x.reshape(-1, x.shape[-1])
+        if not with_stats and one_token_gemv(flat, self.experts) and flat.dtype == self.router.weight.dtype:
+            return self._one_token(flat).view(x.shape), None
         routing = route(flat, self.router.weight, self.top_k, self.norm_topk_prob)
         routed, counts = routed_experts(flat, routing, self.experts, with_counts=with_stats)
         shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
@@ -218,6 +231,14 @@ class MoE(nn.Module):
         if not with_stats:
             return out, None
         return out, RoutingStats(counts.float(), routing.probs.sum(dim=0), flat.shape[0])
+
+    def _one_token(self, flat: torch.Tensor) -> torch.Tensor:
+        """forward's output for one token without statistics, routed and gated by moe_gemv's kernels:
+        four kernels a layer where torch's routing and the experts' sum took ~12 (bench/NOTES.md 44)."""
+        weights, experts, gate_logit = _route_one_token_op(flat, self.router.weight, self.shared_expert_gate.weight,
+                                                           self.top_k, self.norm_topk_prob)
+        routed = _expert_gemv_op(flat, experts, weights, self.experts.w1, self.experts.w3, self.experts.w2)
+        return routed + torch.sigmoid(gate_logit) * self.shared_expert(flat)
 
 
 def load_balancing_loss(stats: Sequence[RoutingStats], num_experts: int) -> torch.Tensor:
