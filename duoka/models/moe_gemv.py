@@ -9,8 +9,9 @@ of programs, and the token needs no sort by expert, no group offsets and no perm
 
 The experts (`expert_gemv`), two kernels: gate and up together (the two weights' rows of one
 expert read side by side, SwiGLU applied in fp32, the product rounded to the weights' dtype as
-the grouped path rounds it), then down, each program summing its rows over the token's k
-experts in slot order in fp32, each scaled by its routing weight, and rounding once.
+the grouped path rounds it), then down, each (token, expert) row scaled by its routing weight
+in fp32; the caller sums the k rows. (Summing them inside the down kernel, one program per
+output tile looping over the k experts, read the weights at 60% of this layout's rate: NOTES 45.)
 
 The routing (`route_one_token`), two kernels: the router's E logits and the shared expert's
 gate logit as one GEMV (each rounded to the compute dtype, as F.linear's output is), then one
@@ -51,9 +52,11 @@ DEFAULT_TILES = GemvTiles(16, 256)
 CANDIDATES = (DEFAULT_TILES, GemvTiles(8, 256), GemvTiles(8, 512), GemvTiles(4, 512), GemvTiles(16, 128),
               GemvTiles(16, 512, 8), GemvTiles(32, 256, 8), GemvTiles(32, 128), GemvTiles(4, 256))
 
-# The router GEMV's (rows, reduction) tiles: E + 1 = 61-65 rows of 2,048-3,584 (Qwen2-MoE), so
-# 8-33 programs; the first is the interpreter's.
-ROUTER_CANDIDATES = ((4, 256), (2, 512), (8, 256), (4, 512), (2, 256))
+# The router GEMV's (rows, reduction block) tiles: E + 1 = 61-65 rows of 2,048-3,584 (Qwen2-MoE).
+# Its 250-460 KB take under a microsecond to read, so the kernel is bound by each program's chain
+# of loads: at 4 rows x 256 (8 dependent loads a row) it took 4.5 us (NOTES 45); a block of the
+# whole row reads in one or two. The first is the interpreter's.
+ROUTER_CANDIDATES = ((4, 256), (1, 2048), (2, 2048), (1, 4096), (2, 1024), (4, 1024), (4, 512))
 
 
 # Triton's interpreter runs the kernels on CPU tensors (the tests): set before Triton is imported.
@@ -90,26 +93,23 @@ if triton is not None:
         tl.store(H + row * hidden + n, h.to(H.dtype.element_ty), mask=n_ok)
 
     @triton.jit
-    def _down_kernel(H, W2, EXPERTS, WEIGHTS, Y, tokens, hidden, dim, stride_we, stride_wn, TOPK: tl.constexpr,
+    def _down_kernel(H, W2, EXPERTS, WEIGHTS, Y, tokens, hidden, dim, stride_we, stride_wn,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        token = tl.program_id(0)
+        row = tl.program_id(0)  # (token, slot)
         tile = tl.program_id(1)
+        expert = tl.load(EXPERTS + row).to(tl.int64)
         n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < dim
-        out = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for slot in range(TOPK):  # slot order, fp32: the sum over the token's experts, rounded once
-            row = token * TOPK + slot
-            expert = tl.load(EXPERTS + row).to(tl.int64)
-            base = expert * stride_we + n[:, None] * stride_wn
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, hidden, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                k_ok = k < hidden
-                h = tl.load(H + row * hidden + k, mask=k_ok, other=0.0).to(tl.float32)
-                w2 = tl.load(W2 + base + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-                acc += tl.sum(w2 * h[None, :], axis=1)
-            out += acc * tl.load(WEIGHTS + row).to(tl.float32)
-        tl.store(Y + token * dim + n, out.to(Y.dtype.element_ty), mask=n_ok)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        base = expert * stride_we + n[:, None] * stride_wn
+        for k0 in range(0, hidden, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            k_ok = k < hidden
+            h = tl.load(H + row * hidden + k, mask=k_ok, other=0.0).to(tl.float32)
+            w2 = tl.load(W2 + base + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            acc += tl.sum(w2 * h[None, :], axis=1)
+        weight = tl.load(WEIGHTS + row).to(tl.float32)
+        tl.store(Y + row * dim + n, acc * weight, mask=n_ok)
 
     @triton.jit
     def _router_logits_kernel(X, WR, WG, LOGITS, GATE, n_experts, dim, stride_wr, BLOCK_E: tl.constexpr,
@@ -176,9 +176,11 @@ def chosen_tiles() -> dict[str, GemvTiles | None]:
 def expert_gemv(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                 w2: torch.Tensor, tiles: GemvTiles | None = None) -> torch.Tensor:
     """x [T, dim] (a few tokens), experts [T, k] int64 and weights [T, k] (the routing's top-k)
-    -> [T, dim] in x's dtype: sum over each token's k experts of weight x w2 (silu(w1 x) * w3 x).
-    w1, w3 [E, hidden, dim]; w2 [E, dim, hidden]; each expert's rows contiguous. tiles: these
-    instead of the autotuner's (on the interpreter: DEFAULT_TILES unless given)."""
+    -> [T, k, dim] fp32: for each token's k experts, weight x w2 (silu(w1 x) * w3 x). The caller
+    sums over k and rounds (outside a custom op, so that the compiler fuses that sum into the
+    layer's next kernel: inside, it took two kernels of its own). w1, w3 [E, hidden, dim]; w2
+    [E, dim, hidden]; each expert's rows contiguous. tiles: these instead of the autotuner's (on
+    the interpreter: DEFAULT_TILES unless given)."""
     tokens, top_k = experts.shape
     _, hidden, dim = w1.shape
     if not all(w.is_contiguous() for w in (w1, w3, w2)):  # w1 and w3 share their strides in the kernel
@@ -186,19 +188,19 @@ def expert_gemv(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w
     x = x.contiguous()
     flat_experts, flat_weights = experts.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
     h = torch.empty(tokens * top_k, hidden, device=x.device, dtype=w1.dtype)
-    y = torch.empty(tokens, dim, device=x.device, dtype=x.dtype)
+    y = torch.empty(tokens, top_k, dim, device=x.device, dtype=torch.float32)
     gate_up_args = (x, w1, w3, flat_experts, h, tokens, hidden, dim, w1.stride(0), w1.stride(1))
     down_args = (h, w2, flat_experts, flat_weights, y, tokens, hidden, dim, w2.stride(0), w2.stride(1))
     if tiles is None and INTERPRETED:
         tiles = DEFAULT_TILES
     if tiles is None:
         _gate_up_tuned[lambda meta: (tokens * top_k, triton.cdiv(hidden, meta["BLOCK_N"]))](*gate_up_args, TOPK=top_k)
-        _down_tuned[lambda meta: (tokens, triton.cdiv(dim, meta["BLOCK_N"]))](*down_args, TOPK=top_k)
+        _down_tuned[lambda meta: (tokens * top_k, triton.cdiv(dim, meta["BLOCK_N"]))](*down_args)
     else:
         _gate_up_kernel[(tokens * top_k, triton.cdiv(hidden, tiles.block_n))](
             *gate_up_args, TOPK=top_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps)
-        _down_kernel[(tokens, triton.cdiv(dim, tiles.block_n))](
-            *down_args, TOPK=top_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps)
+        _down_kernel[(tokens * top_k, triton.cdiv(dim, tiles.block_n))](
+            *down_args, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps)
     return y
 
 

@@ -162,7 +162,15 @@ def _expert_gemv_op(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tenso
 
 @_expert_gemv_op.register_fake
 def _(x, experts, weights, w1, w3, w2):
-    return torch.empty_like(x)
+    return x.new_empty(*experts.shape, x.shape[-1], dtype=torch.float32)
+
+
+def _gemv_experts(x: torch.Tensor, routing_experts: torch.Tensor, weights: torch.Tensor,
+                  experts: GroupedExperts) -> torch.Tensor:
+    """moe_gemv's experts for x [T, dim] -> [T, dim] in x's dtype. The sum over each token's k
+    weighted rows stays outside the custom op, where the compiler fuses it into the next kernel."""
+    rows = _expert_gemv_op(x, routing_experts, weights, experts.w1, experts.w3, experts.w2)
+    return rows.sum(dim=1).to(x.dtype)
 
 
 @torch.library.custom_op("duoka::route_one_token", mutates_args=())
@@ -192,7 +200,7 @@ def routed_experts(x: torch.Tensor, routing: Routing, experts: GroupedExperts,
     assignment counts [E] int32 (None where not asked for and not needed by the path)."""
     n_tokens, k = routing.experts.shape
     if one_token_gemv(x, experts):
-        out = _expert_gemv_op(x, routing.experts, routing.weights, experts.w1, experts.w3, experts.w2)
+        out = _gemv_experts(x, routing.experts, routing.weights, experts)
         return out, expert_counts(routing.experts, experts.w1.shape[0]) if with_counts else None
     order, counts = sort_by_expert(routing.experts, experts.w1.shape[0])
     y = experts(x[order // k], counts)  # [T * k, dim], grouped by expert
@@ -237,7 +245,7 @@ class MoE(nn.Module):
         four kernels a layer where torch's routing and the experts' sum took ~12 (bench/NOTES.md 44)."""
         weights, experts, gate_logit = _route_one_token_op(flat, self.router.weight, self.shared_expert_gate.weight,
                                                            self.top_k, self.norm_topk_prob)
-        routed = _expert_gemv_op(flat, experts, weights, self.experts.w1, self.experts.w3, self.experts.w2)
+        routed = _gemv_experts(flat, experts, weights, self.experts)
         return routed + torch.sigmoid(gate_logit) * self.shared_expert(flat)
 
 
