@@ -10,7 +10,8 @@ of programs, and the token needs no sort by expert, no group offsets and no perm
 The experts (`expert_gemv`), two kernels: gate and up together (the two weights' rows of one
 expert read side by side, SwiGLU applied in fp32, the product rounded to the weights' dtype as
 the grouped path rounds it), then down, each (token, expert) row scaled by its routing weight
-in fp32; the caller sums the k rows. (Summing them inside the down kernel, one program per
+in fp32; the caller sums the k rows. A shared expert (Qwen2-MoE's, behind a sigmoid gate) rides
+in the same two kernels as one more row a token, in place of its own GEMMs and SwiGLU kernel. (Summing them inside the down kernel, one program per
 output tile looping over the k experts, read the weights at 60% of this layout's rate: NOTES 45.)
 
 The routing (`route_one_token`), two kernels: the router's E logits and the shared expert's
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -41,6 +43,16 @@ class GemvTiles:
     block_n: int
     block_k: int
     num_warps: int = 4
+
+
+class SharedExpert(NamedTuple):
+    """A MoE layer's shared expert for expert_gemv: gate and up [hidden, dim] and down [dim, hidden],
+    each with unit stride along its reduction (rows of nn.Linear weights, views of a packed one
+    allowed), and its gate logit [T, 1] (the output scaled by its sigmoid)."""
+    w1: torch.Tensor
+    w3: torch.Tensor
+    w2: torch.Tensor
+    gate_logit: torch.Tensor
 
 
 # The interpreter's tiles (CPU tests) and the first of the GPU's candidates: one token's 4-8
@@ -70,46 +82,80 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _gate_up_kernel(X, W1, W3, EXPERTS, H, tokens, hidden, dim, stride_we, stride_wn, TOPK: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        row = tl.program_id(0)  # (token, slot): token row // TOPK
-        tile = tl.program_id(1)
-        expert = tl.load(EXPERTS + row).to(tl.int64)
+    def _gate_up_rows(X, W1, W3, H, x_row, h_row, hidden, dim, w_base, stride_wn, tile,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """BLOCK_N of one expert's silu(w1 x) * w3 x, rounded to H's dtype."""
         n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < hidden
         gate = tl.zeros([BLOCK_N], dtype=tl.float32)
         up = tl.zeros([BLOCK_N], dtype=tl.float32)
-        base = expert * stride_we + n[:, None] * stride_wn
+        base = w_base + n[:, None] * stride_wn
         for k0 in range(0, dim, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < dim
-            x = tl.load(X + (row // TOPK) * dim + k, mask=k_ok, other=0.0).to(tl.float32)
+            x = tl.load(X + x_row * dim + k, mask=k_ok, other=0.0).to(tl.float32)
             mask = n_ok[:, None] & k_ok[None, :]
             w1 = tl.load(W1 + base + k[None, :], mask=mask, other=0.0).to(tl.float32)
             w3 = tl.load(W3 + base + k[None, :], mask=mask, other=0.0).to(tl.float32)
             gate += tl.sum(w1 * x[None, :], axis=1)
             up += tl.sum(w3 * x[None, :], axis=1)
         h = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) * up
-        tl.store(H + row * hidden + n, h.to(H.dtype.element_ty), mask=n_ok)
+        tl.store(H + h_row * hidden + n, h.to(H.dtype.element_ty), mask=n_ok)
 
     @triton.jit
-    def _down_kernel(H, W2, EXPERTS, WEIGHTS, Y, tokens, hidden, dim, stride_we, stride_wn,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        row = tl.program_id(0)  # (token, slot)
-        tile = tl.program_id(1)
-        expert = tl.load(EXPERTS + row).to(tl.int64)
+    def _gate_up_kernel(X, W1, W3, EXPERTS, H, S1, S3, HS, tokens, hidden, dim, stride_we, stride_wn,
+                        shared_hidden, stride_sn, TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # Programs over (token, slot) rows x tiles of `hidden`, then over tokens x tiles of the
+        # shared expert's `shared_hidden` (none when it is 0).
+        pid = tl.program_id(0)
+        routed_tiles = tl.cdiv(hidden, BLOCK_N)
+        routed_programs = tokens * TOPK * routed_tiles
+        if pid < routed_programs:
+            row = pid // routed_tiles
+            expert = tl.load(EXPERTS + row).to(tl.int64)
+            _gate_up_rows(X, W1, W3, H, row // TOPK, row, hidden, dim, expert * stride_we, stride_wn,
+                          pid % routed_tiles, BLOCK_N, BLOCK_K)
+        else:
+            shared_tiles = tl.cdiv(shared_hidden, BLOCK_N)
+            token = (pid - routed_programs) // shared_tiles
+            _gate_up_rows(X, S1, S3, HS, token, token, shared_hidden, dim, (token * 0).to(tl.int64), stride_sn,
+                          (pid - routed_programs) % shared_tiles, BLOCK_N, BLOCK_K)
+
+    @triton.jit
+    def _down_rows(H, W2, Y, h_row, y_row, hidden, dim, w_base, stride_wn, weight, tile,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """BLOCK_N of weight x w2 h for one expert, in fp32."""
         n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < dim
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        base = expert * stride_we + n[:, None] * stride_wn
+        base = w_base + n[:, None] * stride_wn
         for k0 in range(0, hidden, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < hidden
-            h = tl.load(H + row * hidden + k, mask=k_ok, other=0.0).to(tl.float32)
+            h = tl.load(H + h_row * hidden + k, mask=k_ok, other=0.0).to(tl.float32)
             w2 = tl.load(W2 + base + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
             acc += tl.sum(w2 * h[None, :], axis=1)
-        weight = tl.load(WEIGHTS + row).to(tl.float32)
-        tl.store(Y + row * dim + n, acc * weight, mask=n_ok)
+        tl.store(Y + y_row * dim + n, acc * weight, mask=n_ok)
+
+    @triton.jit
+    def _down_kernel(H, W2, EXPERTS, WEIGHTS, Y, HS, S2, GATE, tokens, hidden, dim, stride_we, stride_wn,
+                     shared_hidden, stride_sn, TOPK: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+        # Rows: (token, slot) for the routed experts, then one a token for the shared expert,
+        # scaled by sigmoid of its gate logit; Y [tokens, SLOTS, dim] (SLOTS = TOPK, + 1 if shared).
+        pid = tl.program_id(0)
+        tiles = tl.cdiv(dim, BLOCK_N)
+        row = pid // tiles
+        if row < tokens * TOPK:
+            expert = tl.load(EXPERTS + row).to(tl.int64)
+            weight = tl.load(WEIGHTS + row).to(tl.float32)
+            _down_rows(H, W2, Y, row, (row // TOPK) * SLOTS + row % TOPK, hidden, dim, expert * stride_we,
+                       stride_wn, weight, pid % tiles, BLOCK_N, BLOCK_K)
+        else:
+            token = row - tokens * TOPK
+            gate = tl.load(GATE + token).to(tl.float32)
+            _down_rows(HS, S2, Y, token, token * SLOTS + TOPK, shared_hidden, dim, (token * 0).to(tl.int64),
+                       stride_sn, 1.0 / (1.0 + tl.exp(-gate)), pid % tiles, BLOCK_N, BLOCK_K)
 
     @triton.jit
     def _router_logits_kernel(X, WR, WG, LOGITS, GATE, n_experts, dim, stride_wr, BLOCK_E: tl.constexpr,
@@ -154,7 +200,7 @@ if triton is not None:
     def _tuned(kernel):
         configs = [triton.Config({"BLOCK_N": t.block_n, "BLOCK_K": t.block_k}, num_warps=t.num_warps)
                    for t in CANDIDATES]
-        return triton.autotune(configs, key=["hidden", "dim", "tokens"])(kernel)
+        return triton.autotune(configs, key=["hidden", "dim", "tokens", "shared_hidden"])(kernel)
 
     _gate_up_tuned, _down_tuned = _tuned(_gate_up_kernel), _tuned(_down_kernel)
     _router_tuned = triton.autotune([triton.Config({"BLOCK_E": e, "BLOCK_K": k}) for e, k in ROUTER_CANDIDATES],
@@ -174,11 +220,12 @@ def chosen_tiles() -> dict[str, GemvTiles | None]:
 
 
 def expert_gemv(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-                w2: torch.Tensor, tiles: GemvTiles | None = None) -> torch.Tensor:
+                w2: torch.Tensor, shared: SharedExpert | None = None, tiles: GemvTiles | None = None) -> torch.Tensor:
     """x [T, dim] (a few tokens), experts [T, k] int64 and weights [T, k] (the routing's top-k)
-    -> [T, k, dim] fp32: for each token's k experts, weight x w2 (silu(w1 x) * w3 x). The caller
-    sums over k and rounds (outside a custom op, so that the compiler fuses that sum into the
-    layer's next kernel: inside, it took two kernels of its own). w1, w3 [E, hidden, dim]; w2
+    -> [T, k, dim] fp32 ([T, k + 1, dim] with `shared`): for each token's k experts, weight x w2
+    (silu(w1 x) * w3 x), then the shared expert's output x sigmoid(its gate logit). The caller
+    sums over the rows and rounds (outside a custom op, so that the compiler fuses that sum into
+    the layer's next kernel: inside, it took two kernels of its own). w1, w3 [E, hidden, dim]; w2
     [E, dim, hidden]; each expert's rows contiguous. tiles: these instead of the autotuner's (on
     the interpreter: DEFAULT_TILES unless given)."""
     tokens, top_k = experts.shape
@@ -188,19 +235,38 @@ def expert_gemv(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w
     x = x.contiguous()
     flat_experts, flat_weights = experts.reshape(-1).contiguous(), weights.reshape(-1).contiguous()
     h = torch.empty(tokens * top_k, hidden, device=x.device, dtype=w1.dtype)
-    y = torch.empty(tokens, top_k, dim, device=x.device, dtype=torch.float32)
-    gate_up_args = (x, w1, w3, flat_experts, h, tokens, hidden, dim, w1.stride(0), w1.stride(1))
-    down_args = (h, w2, flat_experts, flat_weights, y, tokens, hidden, dim, w2.stride(0), w2.stride(1))
+    slots = top_k + (shared is not None)
+    y = torch.empty(tokens, slots, dim, device=x.device, dtype=torch.float32)
+    if shared is None:  # the kernels' shared-expert arguments unused: no program reaches them
+        s1, s3, s2, gate, hs, shared_hidden = w1, w3, w2, flat_weights, h, 0
+    else:
+        s1, s3, s2, gate = shared.w1, shared.w3, shared.w2, shared.gate_logit.reshape(-1).contiguous()
+        shared_hidden = s1.shape[0]
+        if not (s1.shape == s3.shape == (shared_hidden, dim) and s2.shape == (dim, shared_hidden)
+                and s1.stride() == s3.stride() and s1.stride(1) == s2.stride(1) == 1):
+            raise ValueError("expert_gemv's shared expert: gate and up [hidden, dim] with one layout, down "
+                             "[dim, hidden], each row contiguous")
+        hs = torch.empty(tokens, shared_hidden, device=x.device, dtype=s1.dtype)
+    gate_up_args = (x, w1, w3, flat_experts, h, s1, s3, hs, tokens, hidden, dim, w1.stride(0), w1.stride(1),
+                    shared_hidden, s1.stride(0))
+    down_args = (h, w2, flat_experts, flat_weights, y, hs, s2, gate, tokens, hidden, dim, w2.stride(0),
+                 w2.stride(1), shared_hidden, s2.stride(0))
+
+    def gate_up_grid(block_n: int) -> tuple[int]:
+        return (tokens * top_k * triton.cdiv(hidden, block_n) + tokens * triton.cdiv(shared_hidden, block_n),)
+
+    def down_grid(block_n: int) -> tuple[int]:
+        return (tokens * slots * triton.cdiv(dim, block_n),)
+
     if tiles is None and INTERPRETED:
         tiles = DEFAULT_TILES
     if tiles is None:
-        _gate_up_tuned[lambda meta: (tokens * top_k, triton.cdiv(hidden, meta["BLOCK_N"]))](*gate_up_args, TOPK=top_k)
-        _down_tuned[lambda meta: (tokens * top_k, triton.cdiv(dim, meta["BLOCK_N"]))](*down_args)
+        _gate_up_tuned[lambda meta: gate_up_grid(meta["BLOCK_N"])](*gate_up_args, TOPK=top_k)
+        _down_tuned[lambda meta: down_grid(meta["BLOCK_N"])](*down_args, TOPK=top_k, SLOTS=slots)
     else:
-        _gate_up_kernel[(tokens * top_k, triton.cdiv(hidden, tiles.block_n))](
-            *gate_up_args, TOPK=top_k, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps)
-        _down_kernel[(tokens * top_k, triton.cdiv(dim, tiles.block_n))](
-            *down_args, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, num_warps=tiles.num_warps)
+        meta = {"BLOCK_N": tiles.block_n, "BLOCK_K": tiles.block_k, "num_warps": tiles.num_warps}
+        _gate_up_kernel[gate_up_grid(tiles.block_n)](*gate_up_args, TOPK=top_k, **meta)
+        _down_kernel[down_grid(tiles.block_n)](*down_args, TOPK=top_k, SLOTS=slots, **meta)
     return y
 
 

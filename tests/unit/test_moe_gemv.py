@@ -37,8 +37,16 @@ def _reference(x, experts, weights, w1, w3, w2):
     return out
 
 
-def _case_error(device: str, case: tuple, seed: int, tiles=None) -> float:
-    from duoka.models.moe_gemv import expert_gemv
+def _shared_reference(x, s1, s3, s2, gate_logit):
+    x, s1, s3, s2 = (t.float() for t in (x, s1, s3, s2))
+    h = torch.nn.functional.silu(x @ s1.T) * (x @ s3.T)
+    return torch.sigmoid(gate_logit.float()) * (h @ s2.T)
+
+
+def _case_error(device: str, case: tuple, seed: int, tiles=None, shared_hidden: int = 0, packed: bool = False) -> float:
+    """The kernels' rows summed against the reference; with a shared expert of shared_hidden
+    (its gate and up as views of one packed weight when `packed`, as FeedForward packs them)."""
+    from duoka.models.moe_gemv import SharedExpert, expert_gemv
 
     n_experts, k, tokens, dim, hidden, dtype = case
     g = torch.Generator().manual_seed(seed)
@@ -48,11 +56,28 @@ def _case_error(device: str, case: tuple, seed: int, tiles=None) -> float:
     w2 = torch.randn(n_experts, dim, hidden, generator=g).div(hidden ** 0.5).to(dt)
     experts = torch.stack([torch.randperm(n_experts, generator=g)[:k] for _ in range(tokens)])
     weights = torch.rand(tokens, k, generator=g).to(dt)
-    rows = expert_gemv(*(t.to(device) for t in (x, experts, weights, w1, w3, w2)), tiles=tiles).cpu()
-    assert rows.dtype == torch.float32 and rows.shape == (tokens, k, dim)
+    shared, want_shared = None, 0.0
+    if shared_hidden:
+        w13 = torch.randn(2 * shared_hidden, dim, generator=g).div(dim ** 0.5).to(dt)
+        s1, s3 = w13.to(device).chunk(2) if packed else (w13[:shared_hidden].clone().to(device),
+                                                           w13[shared_hidden:].clone().to(device))
+        s2 = torch.randn(dim, shared_hidden, generator=g).div(shared_hidden ** 0.5).to(dt)
+        gate_logit = torch.randn(tokens, 1, generator=g).to(dt)
+        shared = SharedExpert(s1, s3, s2.to(device), gate_logit.to(device))
+        want_shared = _shared_reference(x, *w13.chunk(2), s2, gate_logit)
+    rows = expert_gemv(*(t.to(device) for t in (x, experts, weights, w1, w3, w2)), shared=shared, tiles=tiles).cpu()
+    assert rows.dtype == torch.float32 and rows.shape == (tokens, k + bool(shared_hidden), dim)
     got = rows.sum(dim=1)
-    want = _reference(x, experts, weights, w1, w3, w2)
+    want = _reference(x, experts, weights, w1, w3, w2) + want_shared
     return ((got.float() - want).abs().max() / want.abs().max()).item()
+
+
+# (case, the shared expert's width, packed): widths no tile divides, a packed pair of views.
+SHARED_CASES = [
+    ((6, 2, 1, 48, 40, "float32"), 56, True),
+    ((8, 4, 2, 64, 24, "float32"), 300, False),
+    ((6, 4, 1, 48, 40, "bfloat16"), 88, True),
+]
 
 
 # Every tile the GPU's autotuner may pick, on widths that are a multiple of none of them and a
@@ -64,10 +89,14 @@ def _kernel_cases(device: str) -> list[float]:
     return [_case_error(device, case, i) for i, case in enumerate(CASES)]
 
 
+def _shared_cases(device: str) -> list[float]:
+    return [_case_error(device, case, i, None, width, packed) for i, (case, width, packed) in enumerate(SHARED_CASES)]
+
+
 def _tile_cases(device: str) -> list[float]:
     from duoka.models.moe_gemv import CANDIDATES
 
-    return [_case_error(device, TILE_CASE, 0, tiles) for tiles in CANDIDATES]
+    return [_case_error(device, TILE_CASE, 0, tiles, shared_hidden=100, packed=True) for tiles in CANDIDATES]
 
 
 # (experts, top-k, dim, norm_topk_prob, dtype): the A2.7B's 60 of 4 unnormalised and the 57B's
@@ -115,7 +144,7 @@ def _layer(device: str) -> dict:
 
     calls, routes = [], []
     kernel, router = moe_gemv.expert_gemv, moe_gemv.route_one_token
-    moe_gemv.expert_gemv = lambda *a, **kw: calls.append(1) or kernel(*a, **kw)
+    moe_gemv.expert_gemv = lambda *a, **kw: calls.append(kw.get("shared") is not None) or kernel(*a, **kw)
     moe_gemv.route_one_token = lambda *a, **kw: routes.append(1) or router(*a, **kw)
     torch.manual_seed(0)
     layer = MoE(48, 6, 2, 40, True, FeedForward(48, 80, ModelOptions()))
@@ -142,14 +171,46 @@ def _layer(device: str) -> dict:
         served_bf16 = torch.compile(half, backend="aot_eager", fullgraph=True, dynamic=True)(x.to(torch.bfloat16), False)
         bf16_routed = half(x.to(torch.bfloat16))[0]
     return {"eager_calls": eager_calls, "compiled_calls": len(calls) - eager_calls, "route_calls": len(routes),
-            "served_bf16_error": (served_bf16[0].float() - bf16_routed.float()).abs().max().item(),
+            "shared_calls": sum(calls),
+            "served_bf16_error": ((served_bf16[0].float() - bf16_routed.float()).abs().max()
+                                  / bf16_routed.float().abs().max()).item(),  # relative: an ulp of bf16 is 2^-8
             "error": (got - want).abs().max().item(), "compiled_error": (compiled_out - want).abs().max().item(),
             "counts_equal": torch.equal(stats.expert_counts, want_stats.expert_counts), "bf16_errors": bf16_errors,
             "served_error": (served - want).abs().max().item(), "served_stats": served_stats is not None}
 
 
+def _packed_layer(device: str) -> dict:
+    """Served (no statistics) with packed projections, as serving packs gate and up, against the
+    grouped path; then with the shared expert's down projection a Linear subclass (an adapter's
+    or a quantized module's place), which its plain_weights refuses and its own forward computes."""
+    from duoka.models.qwen2.args import ModelOptions
+    from duoka.models.qwen2.model import FeedForward
+    from duoka.models.qwen2.moe import MoE
+
+    class Wrapped(torch.nn.Linear):
+        pass
+
+    torch.manual_seed(1)
+    layer = MoE(48, 6, 2, 40, False, FeedForward(48, 80, ModelOptions(packed_projections=True)))
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    layer.to(device)
+    x = torch.randn(1, 48, device=device)
+    want, _ = layer(x)
+    with torch.inference_mode():
+        served, _ = torch.compile(layer, backend="aot_eager", fullgraph=True, dynamic=True)(x, False)
+    wrapped = Wrapped(80, 48, bias=False, device=device)
+    wrapped.weight = layer.shared_expert.w2.weight
+    layer.shared_expert.w2 = wrapped
+    with torch.inference_mode():
+        fallback, _ = layer(x, False)
+    return {"served_error": (served - want).abs().max().item(), "fallback_error": (fallback - want).abs().max().item(),
+            "wrapped_refused": layer.shared_expert.plain_weights() is None}
+
+
 def _run(device: str = "cpu") -> dict:
-    return {"errors": _kernel_cases(device), "tile_errors": _tile_cases(device), "routes": _route_cases(device),
+    return {"errors": _kernel_cases(device), "shared_errors": _shared_cases(device), "tile_errors": _tile_cases(device),
+            "routes": _route_cases(device), "packed_layer": _packed_layer(device),
             "layer": _layer(device)}
 
 
@@ -160,6 +221,12 @@ def result(triton_interpreted):
 
 def test_the_kernels_equal_the_experts_one_by_one(result):
     for case, error in zip(CASES, result["errors"]):
+        assert error <= (2e-2 if case[-1] == "bfloat16" else 1e-5), (case, error)
+
+
+def test_the_shared_expert_rides_in_the_same_kernels(result):
+    assert len(result["shared_errors"]) == len(SHARED_CASES), result["shared_errors"]
+    for (case, _, _), error in zip(SHARED_CASES, result["shared_errors"]):
         assert error <= (2e-2 if case[-1] == "bfloat16" else 1e-5), (case, error)
 
 
@@ -185,11 +252,18 @@ def test_a_layer_on_one_token_takes_them_without_autograd(result):
     # statistics, compiled and eager bf16, compiled bf16 served and its eager reference), never
     # for three tokens; the routing's only where no statistics are asked (the two served calls).
     assert layer["eager_calls"] == 1 and layer["compiled_calls"] == 6 and layer["route_calls"] == 2, layer
+    assert layer["shared_calls"] == 2, layer  # the shared expert in the kernels where served
     assert layer["served_error"] <= 1e-5 and not layer["served_stats"], layer
     assert layer["served_bf16_error"] <= 2e-2, layer
     assert layer["error"] <= 1e-5 and layer["compiled_error"] <= 1e-5, layer
     assert layer["counts_equal"], layer
     assert max(layer["bf16_errors"]) <= 1e-6, layer  # compiled as eager, the same kernels
+
+
+def test_a_packed_shared_expert_is_served_in_the_kernels_and_a_wrapped_one_is_not(result):
+    packed = result["packed_layer"]
+    assert packed["served_error"] <= 1e-5 and packed["fallback_error"] <= 1e-5, packed
+    assert packed["wrapped_refused"], packed
 
 
 if __name__ == "__main__":

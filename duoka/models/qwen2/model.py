@@ -288,6 +288,16 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self._body(x)
 
+    def plain_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(gate, up, down) weights, gate and up as views of a packed weight, when every projection
+        is a plain nn.Linear of plain tensors; None under adapters, quantization or DTensors (a
+        kernel reading the weights directly would skip what those modules add)."""
+        layers = (self.w13, self.w2) if self.packed else (self.w1, self.w3, self.w2)
+        if not all(type(m) is nn.Linear and type(m.weight) is nn.Parameter for m in layers):
+            return None
+        gate, up = self.w13.weight.chunk(2, dim=0) if self.packed else (self.w1.weight, self.w3.weight)
+        return gate, up, self.w2.weight
+
     def _mlp(self, x):
         if self.packed:
             gate, up = self.w13(x).chunk(2, dim=-1)

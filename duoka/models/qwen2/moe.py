@@ -156,20 +156,23 @@ class GroupedExperts(nn.Module):
 
 @torch.library.custom_op("duoka::expert_gemv", mutates_args=())
 def _expert_gemv_op(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w1: torch.Tensor,
-                    w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    return moe_gemv.expert_gemv(x, experts, weights, w1, w3, w2)
+                    w3: torch.Tensor, w2: torch.Tensor, s1: torch.Tensor | None = None, s3: torch.Tensor | None = None,
+                    s2: torch.Tensor | None = None, gate_logit: torch.Tensor | None = None) -> torch.Tensor:
+    shared = None if s1 is None else moe_gemv.SharedExpert(s1, s3, s2, gate_logit)
+    return moe_gemv.expert_gemv(x, experts, weights, w1, w3, w2, shared=shared)
 
 
 @_expert_gemv_op.register_fake
-def _(x, experts, weights, w1, w3, w2):
-    return x.new_empty(*experts.shape, x.shape[-1], dtype=torch.float32)
+def _(x, experts, weights, w1, w3, w2, s1=None, s3=None, s2=None, gate_logit=None):
+    return x.new_empty(experts.shape[0], experts.shape[1] + (s1 is not None), x.shape[-1], dtype=torch.float32)
 
 
-def _gemv_experts(x: torch.Tensor, routing_experts: torch.Tensor, weights: torch.Tensor,
-                  experts: GroupedExperts) -> torch.Tensor:
-    """moe_gemv's experts for x [T, dim] -> [T, dim] in x's dtype. The sum over each token's k
-    weighted rows stays outside the custom op, where the compiler fuses it into the next kernel."""
-    rows = _expert_gemv_op(x, routing_experts, weights, experts.w1, experts.w3, experts.w2)
+def _gemv_experts(x: torch.Tensor, routing_experts: torch.Tensor, weights: torch.Tensor, experts: GroupedExperts,
+                  shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] = ()) -> torch.Tensor:
+    """moe_gemv's experts for x [T, dim] -> [T, dim] in x's dtype; `shared` (gate, up, down, gate
+    logit) adds the shared expert's gated output. The sum over each token's weighted rows stays
+    outside the custom op, where the compiler fuses it into the next kernel."""
+    rows = _expert_gemv_op(x, routing_experts, weights, experts.w1, experts.w3, experts.w2, *shared)
     return rows.sum(dim=1).to(x.dtype)
 
 
@@ -241,10 +244,14 @@ class MoE(nn.Module):
         return out, RoutingStats(counts.float(), routing.probs.sum(dim=0), flat.shape[0])
 
     def _one_token(self, flat: torch.Tensor) -> torch.Tensor:
-        """forward's output for one token without statistics, routed and gated by moe_gemv's kernels:
-        four kernels a layer where torch's routing and the experts' sum took ~12 (bench/NOTES.md 44)."""
+        """forward's output for one token without statistics, routed by moe_gemv's kernels: two for
+        the routing, two for the experts, the shared expert among them where its weights are plain
+        (shared_expert.plain_weights: FeedForward's), where torch took ~16 (bench/NOTES.md 44-45)."""
         weights, experts, gate_logit = _route_one_token_op(flat, self.router.weight, self.shared_expert_gate.weight,
                                                            self.top_k, self.norm_topk_prob)
+        shared = self.shared_expert.plain_weights()
+        if shared is not None and shared[0].dtype == flat.dtype:
+            return _gemv_experts(flat, experts, weights, self.experts, (*shared, gate_logit))
         routed = _gemv_experts(flat, experts, weights, self.experts)
         return routed + torch.sigmoid(gate_logit) * self.shared_expert(flat)
 
