@@ -10,9 +10,10 @@ of programs, and the token needs no sort by expert, no group offsets and no perm
 The experts (`expert_gemv`), two kernels: gate and up together (the two weights' rows of one
 expert read side by side, SwiGLU applied in fp32, the product rounded to the weights' dtype as
 the grouped path rounds it), then down, each (token, expert) row scaled by its routing weight
-in fp32; the caller sums the k rows. A shared expert (Qwen2-MoE's, behind a sigmoid gate) rides
-in the same two kernels as one more row a token, in place of its own GEMMs and SwiGLU kernel. (Summing them inside the down kernel, one program per
-output tile looping over the k experts, read the weights at 60% of this layout's rate: NOTES 45.)
+in fp32; the caller sums the rows. (Summing them inside the down kernel, one program per output
+tile looping over the k experts, read the weights at 60% of this layout's rate: NOTES 45.) A
+shared expert (Qwen2-MoE's, behind a sigmoid gate) rides in the same two kernels as one more
+row a token, in place of its own GEMMs and SwiGLU kernel.
 
 The routing (`route_one_token`), two kernels: the router's E logits and the shared expert's
 gate logit as one GEMV (each rounded to the compute dtype, as F.linear's output is), then one
