@@ -243,10 +243,10 @@ def expert_gemv(x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor, w
     else:
         s1, s3, s2, gate = shared.w1, shared.w3, shared.w2, shared.gate_logit.reshape(-1).contiguous()
         shared_hidden = s1.shape[0]
-        if not (s1.shape == s3.shape == (shared_hidden, dim) and s2.shape == (dim, shared_hidden)
+        if not (shared_hidden and s1.shape == s3.shape == (shared_hidden, dim) and s2.shape == (dim, shared_hidden)
                 and s1.stride() == s3.stride() and s1.stride(1) == s2.stride(1) == 1):
             raise ValueError("expert_gemv's shared expert: gate and up [hidden, dim] with one layout, down "
-                             "[dim, hidden], each row contiguous")
+                             "[dim, hidden], each row contiguous, hidden > 0 (none at all: shared=None)")
         hs = torch.empty(tokens, shared_hidden, device=x.device, dtype=s1.dtype)
     gate_up_args = (x, w1, w3, flat_experts, h, s1, s3, hs, tokens, hidden, dim, w1.stride(0), w1.stride(1),
                     shared_hidden, s1.stride(0))

@@ -250,7 +250,7 @@ class MoE(nn.Module):
         weights, experts, gate_logit = _route_one_token_op(flat, self.router.weight, self.shared_expert_gate.weight,
                                                            self.top_k, self.norm_topk_prob)
         shared = self.shared_expert.plain_weights()
-        if shared is not None and shared[0].dtype == flat.dtype:
+        if shared is not None and shared[0].dtype == flat.dtype and shared[0].shape[0]:
             return _gemv_experts(flat, experts, weights, self.experts, (*shared, gate_logit))
         routed = _gemv_experts(flat, experts, weights, self.experts)
         return routed + torch.sigmoid(gate_logit) * self.shared_expert(flat)
