@@ -69,6 +69,8 @@ class BlockLogprobs:
         first = n * bs - len(rows.token_ids)  # 1 for a run from block 0
         assert 0 <= k <= MAX_LOGPROBS and first in (0, 1) and rows.top_ids.shape == (n * bs - first, k), (
             k, first, rows.top_ids.shape)
+        if all(block is None or self.has(block, k) for block in blocks):
+            return  # nothing to keep: no run to narrow
         logprobs = np.full(n * bs, np.nan, dtype=np.float32)
         ranks = np.zeros(n * bs, dtype=np.int32)
         top_ids = np.zeros((n * bs, k), dtype=np.int32)
