@@ -69,7 +69,8 @@ class BlockLogprobs:
         first = n * bs - len(rows.token_ids)  # 1 for a run from block 0
         assert 0 <= k <= MAX_LOGPROBS and first in (0, 1) and rows.top_ids.shape == (n * bs - first, k), (
             k, first, rows.top_ids.shape)
-        if all(block is None or self.has(block, k) for block in blocks):
+        keep = [j for j, block in enumerate(blocks) if block is not None and not self.has(block, k)]
+        if not keep:
             return  # nothing to keep: no run to narrow
         logprobs = np.full(n * bs, np.nan, dtype=np.float32)
         ranks = np.zeros(n * bs, dtype=np.int32)
@@ -78,10 +79,9 @@ class BlockLogprobs:
         # fp32 values widened on the way in: narrowing them back is exact.
         logprobs[first:], ranks[first:] = rows.logprobs, rows.ranks
         top_ids[first:], top_values[first:] = rows.top_ids, rows.top_values
-        for j, block in enumerate(blocks):
-            if block is not None and not self.has(block, k):
-                cut = slice(j * bs, (j + 1) * bs)
-                self.records[block] = BlockRecord(k, logprobs[cut].copy(), ranks[cut].copy(), top_ids[cut].copy(),
+        for j in keep:
+            cut = slice(j * bs, (j + 1) * bs)
+            self.records[blocks[j]] = BlockRecord(k, logprobs[cut].copy(), ranks[cut].copy(), top_ids[cut].copy(),
                                                   top_values[cut].copy())
 
     def read(self, blocks: list[bytes], token_ids: list[int], first: int, k: int) -> EntryRows:
