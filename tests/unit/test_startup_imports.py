@@ -1,6 +1,9 @@
 """Start-up cost: what the processes of `duoka train`, `serve` and `generate` import before they
 need it. torch._dynamo alone is over a second of each process's start (a 2-rank 5-step run on 2
-cores: 4.8 s -> 3.7 s without it), so it waits for the first compile."""
+cores: 4.8 s -> 3.7 s without it), so it waits for the first compile. (A training worker needs
+it before that: torch 2.13's optimizers, DDP and FSDP2 import it as they are built, and so does
+initialising a parameter on the meta device. The worker server imports it once for all of its
+workers: duoka/launch/training.py, start_worker_server.)"""
 
 import subprocess
 import sys
