@@ -225,8 +225,8 @@ def start_worker_server() -> None:
     import multiprocessing
     from multiprocessing import forkserver
 
-    # torch._dynamo too: every worker imports it anyway (torch.optim's optimizers, DDP and
-    # FSDP2 do in their constructors), ~1 s of CPU each, once here instead.
+    # torch._dynamo too: every worker imports it anyway (torch 2.13's optimizers, DDP and FSDP2
+    # in their constructors, meta-device initialisers), ~1 s of CPU each, once here instead.
     multiprocessing.set_forkserver_preload(["duoka.train.entrypoint", "torch._dynamo"])
     previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
