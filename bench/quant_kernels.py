@@ -1,7 +1,7 @@
 """Quantized matmul kernels on the 7B projections, one at a time, each replayed from a CUDA
 graph (issue 39): bf16 cuBLAS, FP8 torch._scaled_mm with per-token activation scales, FP8
 weight-only (gemlite A16W8), int4 tinygemm and int4 gemlite (A16W4, group 128), for 1 to 64
-token rows. Reports microseconds per call, the weight-read rate and the error against
+token rows, and duoka's one-row int4 GEMV (int4_gemv.py) on the gemlite layer's tensors. Reports microseconds per call, the weight-read rate and the error against
 x @ dequantized.T; also checks that the gemlite layer traces under torch.compile(fullgraph)
 and replays inside a captured graph.
 
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from duoka.models.quant.fp8 import Fp8Linear, row_scales, to_e4m3
 from duoka.models.quant.gemlite_group import GemliteGroupLinear
 from duoka.models.quant.groupwise import GroupInts
+from duoka.models.quant.int4_gemv import chosen_tiles, int4_gemv
 from duoka.models.quant.tinygemm import TinyGemmInt4Linear
 
 SHAPES_7B = {"qkv": (4608, 3584), "o": (3584, 3584), "gate_up": (37888, 3584), "down": (3584, 18944),
@@ -79,6 +80,8 @@ def build(name: str, shape: tuple[int, int], device: torch.device) -> dict:
     ours = GemliteGroupLinear(ints, 4, torch.bfloat16)  # gemlite with duoka's kernel choice by rows
     forced = {f"int4_gemlite_{name}": (forced_kernel(ours, index), w4.to(torch.bfloat16))
               for name, index in GEMLITE_MATMUL_TYPES_MAPPING.items()}
+    w_q, s, z, _ = gl4.get_tensor_args()
+    forced["int4_gemv"] = (lambda x: int4_gemv(x, w_q, s, z, GROUP), w4.to(torch.bfloat16))  # one row only
     return forced | {"bf16": (lambda x: F.linear(x, w), w), "fp8_scaled_mm": (fp8, w8), "fp8_gemlite": (gl8, w8),
             "int4_tinygemm": (tiny, w4.to(torch.bfloat16)), "int4_gemlite": (gl4, w4.to(torch.bfloat16)),
             "int4_duoka": (ours, w4.to(torch.bfloat16))}
@@ -147,6 +150,8 @@ def main() -> None:
                     continue
                 row[kind] = {"us": round(us, 2), "tb_s": round(weight_bytes(kind, shape) / us / 1e6, 2),
                              "rel_err": float((y - ref).norm() / ref.norm())}
+                if kind == "int4_gemv":
+                    row[kind]["tiles"] = str(chosen_tiles())
             rows_out[rows] = row
             print(name, rows, {k: v["us"] for k, v in row.items()}, flush=True)
         x1 = torch.randn(1, shape[1], device=device, dtype=torch.bfloat16)
