@@ -49,9 +49,11 @@ class Int4Tiles:
 # The interpreter's tile (CPU tests) and the GPU's candidates, which Triton's autotuner tries once
 # per (N, K) in the warm-up forward that every CUDA graph capture runs first. A 7B projection has
 # N = 3,584-37,888 outputs: 16-32 rows a program make 112-2,368 programs for 132 SMs, and 16-64
-# words (128-512 columns) of 16-32 rows are 1-8 KB a load, several in flight (num_stages).
-DEFAULT_TILES = Int4Tiles(16, 16)
-CANDIDATES = (Int4Tiles(16, 16), Int4Tiles(16, 32), Int4Tiles(16, 64), Int4Tiles(32, 16), Int4Tiles(32, 32),
+# words (128-512 columns) of 16-32 rows are 1-8 KB a load, several in flight (num_stages). A
+# tile holds at least 4 words a thread (words x rows >= 128 x num_warps): fewer would leave
+# threads computing copies of others' values.
+DEFAULT_TILES = Int4Tiles(32, 16)
+CANDIDATES = (DEFAULT_TILES, Int4Tiles(16, 16, 2), Int4Tiles(16, 32), Int4Tiles(16, 64), Int4Tiles(32, 32),
               Int4Tiles(8, 64), Int4Tiles(64, 16, 8), Int4Tiles(16, 32, 4, 4), Int4Tiles(32, 16, 4, 4),
               Int4Tiles(8, 32, 2))
 
