@@ -408,14 +408,13 @@ _NEEDS_GEMLITE = pytest.mark.skipif(not torch.cuda.is_available() or load_gemlit
 @_NEEDS_GEMLITE
 @pytest.mark.parametrize("bits,act_order", [(4, False), (4, True), (8, False)])
 def test_cuda_gemlite_layer_is_x_times_the_checkpoint_weight(bits, act_order):
-    # Every kernel gemlite picks by rows (GEMV, split-K, GEMM) and duoka's one-row int4 GEMV
-    # against an fp32 product on the CPU.
+    # Every kernel gemlite picks by rows (GEMV, split-K, GEMM) against an fp32 product on the CPU.
     q, zeros, scales, g_idx = random_ints(256, 512, bits, 128, False, seed=21, act_order=act_order)
     ints = GroupInts(q.to(torch.uint8), zeros.to(torch.uint8), scales.to(torch.bfloat16), g_idx, 128,
                      bias=torch.randn(256, dtype=torch.bfloat16))
     cuda = torch.device("cuda")
     layer = build_group_linear(_to(ints, cuda), bits, cuda, torch.bfloat16)
-    assert layer.kernel == "gemlite" and layer.one_row_gemv == (bits == 4)  # one row of int4: int4_gemv.py
+    assert layer.kernel == "gemlite"
     w = ints.dequantize()
     # gemlite (as tinygemm) computes q * s + (-z * s) with the zero term rounded to the
     # activations' dtype: within one bf16 rounding of |z * s| plus one of the result.

@@ -1,7 +1,7 @@
 """The CUDA path for 4- and 8-bit group-wise weights (GPTQ, AWQ) at every batch size:
 gemlite's Triton kernels (A16Wn), one packed copy of the weight, the kernel picked by the
 step's token rows (a GEMV for decode, split-K GEMM for a few dozen rows, a tiled GEMM for
-prefill); one row of a 4-bit weight takes duoka's int4_gemv.py on gemlite's tensors instead.
+prefill).
 
 Why not tinygemm alone (tinygemm.py, the path where gemlite is not installed): its int4 mm
 is a GEMV at heart and scales linearly with rows (one H100, a 7B layer: 74 us at one row,
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from duoka.models.quant import int4_gemv
 from duoka.models.quant.base import QuantizedLinear
 from duoka.models.quant.groupwise import GroupInts, uniform_groups, unpermuted_columns
 from duoka.models.quant.small_batch import load_gemlite
@@ -33,7 +32,6 @@ IN_FEATURES_MULTIPLE = 32  # gemlite's packing (8 nibbles per int32) and its sma
 # summed; bench/results/quant/kernels_int4_h200.txt): 3 rows 225 us split-K vs 255 default,
 # 4 rows 225 vs 295; at 2 rows the default wins (161 vs 204).
 SPLIT_K_ROWS = (3, 4)
-FMA_GROUP_MODE = 4  # gemlite's W_group_mode for W = q * s + shift, the form int4_gemv reads
 
 
 def gemlite_problem(ints: GroupInts, bits: int, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -80,10 +78,6 @@ class GemliteGroupLinear(QuantizedLinear):
         self.register_buffer("perm", perm)
         self.register_buffer("bias", None if ints.bias is None else ints.bias.to(dtype))
         self.split_k = GEMLITE_MATMUL_TYPES_MAPPING["GEMM_SPLITK"]
-        # One row (batch-1 decode) of a 4-bit weight takes int4_gemv on the same tensors.
-        w_q, scales, shifts = tensor_args[:3]
-        self.one_row_gemv = (bits == 4 and int4_gemv.available() and self.meta_args[10] == FMA_GROUP_MODE
-                             and int4_gemv.layout_problem(w_q, scales, shifts, self.group_size) is None)
 
     def tensor_args(self) -> list[torch.Tensor]:
         return [getattr(self, name) for name in self.arg_names]
@@ -94,11 +88,7 @@ class GemliteGroupLinear(QuantizedLinear):
         rows = x.reshape(-1, self.in_features)
         if self.perm is not None:
             rows = rows.index_select(1, self.perm)
-        # Guards on the row count under torch.compile; captured graphs have static rows anyway.
-        if rows.shape[0] == 1 and self.one_row_gemv:
-            w_q, scales, shifts = self.tensor_args()[:3]
-            out = int4_gemv.int4_gemv_op(rows.contiguous(), w_q, scales, shifts, self.group_size)
-            return (out if self.bias is None else out + self.bias).reshape(*x.shape[:-1], self.out_features)
+        # A guard on the row count under torch.compile; captured graphs have static rows anyway.
         kernel = self.split_k if rows.shape[0] in SPLIT_K_ROWS else -1
         out = torch.ops.gemlite.forward_functional(rows.contiguous(), None, self.tensor_args(), self.meta_args,
                                                    kernel)

@@ -145,16 +145,3 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     words = q.to(torch.int64).view(n, k // 8, 8) << (4 * torch.arange(8, device=q.device))
     packed = words.sum(dim=-1)  # the eight nibbles occupy disjoint bits: their sum is their OR
     return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32).t().contiguous()
-
-
-@torch.library.custom_op("duoka::int4_gemv", mutates_args=())
-def int4_gemv_op(x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor, shifts: torch.Tensor,
-                 group_size: int) -> torch.Tensor:
-    """int4_gemv as an operator that compiled serving blocks call (a Triton launch with an
-    autotuner is opaque to the compiler) and CUDA graphs replay."""
-    return int4_gemv(x, w_q, scales, shifts, group_size)
-
-
-@int4_gemv_op.register_fake
-def _(x, w_q, scales, shifts, group_size):
-    return x.new_empty(1, w_q.shape[1])
