@@ -19,6 +19,7 @@ CASES = [
     (40, 64, 32, "float32"),
     (72, 192, 64, "float32"),  # 24 words: a tail past a 16-word block
     (24, 256, 16, "float32"),  # two words a group
+    (64, 256, 128, "float32"),  # tiles that divide both widths: the loads without masks
     (56, 256, 128, "bfloat16"),
 ]
 

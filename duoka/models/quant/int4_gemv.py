@@ -6,10 +6,13 @@ GEMV and PyTorch's tinygemm read it at ~1.5-1.6 TB/s of an H100's 3.0 (a 7B laye
 the weight read allows ~40; bench/NOTES.md 25-26): widening each 4-bit value to a float costs
 them an integer-to-float conversion, an instruction that issues at an eighth of the FMA rate,
 and gemlite's reverse split-K adds one fp32 atomic per output per 16 columns. Marlin-class
-kernels, which do better, install as no wheel here. This kernel widens a value with a shift,
-one bitwise op and a float subtraction (the nibble OR-ed into the mantissa of 2**23, the
-exact float 2**23 + q, minus 2**23), and each program owns its output rows over the whole
-reduction: no atomics, one kernel per projection.
+kernels, which do better, install as no wheel here. This kernel widens a value with one bitwise
+op and a float subtraction: the nibble, masked in place, OR-ed into the float 2**23 makes
+2**23 + q * 16**i exactly (one shift a word brings the upper four nibbles down), and x / 16**i
+takes the power of sixteen back. Each program owns its output rows over the whole reduction: no
+atomics, one kernel per projection. Compiled offline for sm_90 (bench/kernel_sass.py) its main
+loop issues ~4.9 instructions a weight, against 7.3 for the first form of it (a shift, a mask
+and an OR a value, a load of x a weight).
 
 The layout is gemlite's A16Wn (4-bit, `fma_mode`), read in place so that a layer keeps one copy
 of its weight: W_q int32 [K/8, N], contiguous, word w of output n holding q[n, 8w + j] in bits
@@ -34,6 +37,7 @@ except ImportError:  # CPU-only PyTorch builds carry no Triton
 
 # Triton's interpreter runs the kernel on CPU tensors (the tests): set before Triton is imported.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+MAGIC_BITS = 0x4B000000  # the float 2**23, whose mantissa's low 23 bits count units
 
 
 @dataclass(frozen=True)
@@ -48,14 +52,14 @@ class Int4Tiles:
 
 # The interpreter's tile (CPU tests) and the GPU's candidates, which Triton's autotuner tries once
 # per (N, K) in the warm-up forward that every CUDA graph capture runs first. A 7B projection has
-# N = 3,584-37,888 outputs: 16-32 rows a program make 112-2,368 programs for 132 SMs, and 16-64
-# words (128-512 columns) of 16-32 rows are 1-8 KB a load, several in flight (num_stages). A
-# tile holds at least 4 words a thread (words x rows >= 128 x num_warps): fewer would leave
-# threads computing copies of others' values.
-DEFAULT_TILES = Int4Tiles(32, 16)
-CANDIDATES = (DEFAULT_TILES, Int4Tiles(16, 16, 2), Int4Tiles(16, 32), Int4Tiles(16, 64), Int4Tiles(32, 32),
-              Int4Tiles(8, 64), Int4Tiles(64, 16, 8), Int4Tiles(16, 32, 4, 4), Int4Tiles(32, 16, 4, 4),
-              Int4Tiles(8, 32, 2))
+# N = 3,584-37,888 outputs: 8-64 rows a program make 56-4,736 programs for 132 SMs. Each tile gives
+# a thread 8 or 16 words (block_n x block_words / (32 x num_warps)): at 4 the loop's fixed work
+# (the x loads, the scales) costs 5.75 instructions a weight, at 8 5.05, at 16 4.99 (sm_90,
+# bench/kernel_sass.py).
+DEFAULT_TILES = Int4Tiles(32, 32)
+CANDIDATES = (DEFAULT_TILES, Int4Tiles(16, 64), Int4Tiles(64, 16), Int4Tiles(8, 64, 2), Int4Tiles(16, 32, 2),
+              Int4Tiles(32, 64), Int4Tiles(64, 32), Int4Tiles(16, 64, 2), Int4Tiles(64, 32, 8),
+              Int4Tiles(32, 32, 4, 4))
 
 
 def available() -> bool:
@@ -65,33 +69,51 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _int4_gemv_kernel(X, W, S, Z, Y, N, WORDS, GROUP_WORDS, BLOCK_N: tl.constexpr, BLOCK_WORDS: tl.constexpr):
+    def _int4_gemv_kernel(X, W, S, Z, Y, N, WORDS, MAGIC_BITS, GROUP_WORDS: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_WORDS: tl.constexpr, EVEN: tl.constexpr):
+        # EVEN: the tile divides N and WORDS (every 7B shape), so no load needs a mask.
         n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < N
         acc = tl.zeros([BLOCK_WORDS, BLOCK_N], dtype=tl.float32)
         for w0 in range(0, WORDS, BLOCK_WORDS):
             w = w0 + tl.arange(0, BLOCK_WORDS)
             w_ok = w < WORDS
-            mask = w_ok[:, None] & n_ok[None, :]
-            packed = tl.load(W + w[:, None] * N + n[None, :], mask=mask, other=0)
             group = w // GROUP_WORDS
-            scale = tl.load(S + group[:, None] * N + n[None, :], mask=mask, other=0.0).to(tl.float32)
-            shift = tl.load(Z + group[:, None] * N + n[None, :], mask=mask, other=0.0).to(tl.float32)
+            at = w[:, None] * N + n[None, :]
+            meta = group[:, None] * N + n[None, :]
+            if EVEN:
+                packed = tl.load(W + at)
+                scale = tl.load(S + meta).to(tl.float32)
+                shift = tl.load(Z + meta).to(tl.float32)
+            else:
+                mask = w_ok[:, None] & n_ok[None, :]
+                packed = tl.load(W + at, mask=mask, other=0)
+                scale = tl.load(S + meta, mask=mask, other=0.0).to(tl.float32)
+                shift = tl.load(Z + meta, mask=mask, other=0.0).to(tl.float32)
+            high = packed >> 16  # nibbles 4-7 where 0-3 are, read by the same masks
             part = tl.zeros([BLOCK_WORDS, BLOCK_N], dtype=tl.float32)
             x_sum = tl.zeros([BLOCK_WORDS], dtype=tl.float32)
             for j in tl.static_range(8):
-                xj = tl.load(X + w * 8 + j, mask=w_ok, other=0.0).to(tl.float32)
-                # 0x4B000000 is the float 2**23; OR-ed into its mantissa, q makes 2**23 + q exactly.
-                q = ((packed >> (4 * j)) & 0xF) | 0x4B000000
-                part += (q.to(tl.float32, bitcast=True) - 8388608.0) * xj[:, None]
+                if EVEN:
+                    xj = tl.load(X + w * 8 + j).to(tl.float32)
+                else:
+                    xj = tl.load(X + w * 8 + j, mask=w_ok, other=0.0).to(tl.float32)
                 x_sum += xj
+                i = j % 4
+                # Nibble i in place (bits 4i..4i+3) OR-ed into the float 2**23 (MAGIC_BITS, an
+                # argument so that the mask is the instruction's one immediate) is 2**23 + q * 16**i
+                # exactly; minus 2**23, times x / 16**i (exact: a power of two) adds q * x.
+                bits = ((packed if j < 4 else high) & (0xF << (4 * i))) | MAGIC_BITS
+                x_scaled = xj if i == 0 else xj * (0.0625 if i == 1 else (0.00390625 if i == 2 else 0.000244140625))
+                part += (bits.to(tl.float32, bitcast=True) - 8388608.0) * x_scaled[:, None]
             acc += part * scale + shift * x_sum[:, None]
         tl.store(Y + n, tl.sum(acc, axis=0).to(Y.dtype.element_ty), mask=n_ok)
 
     _int4_gemv_tuned = triton.autotune(
         [triton.Config({"BLOCK_N": t.block_n, "BLOCK_WORDS": t.block_words}, num_warps=t.num_warps,
                        num_stages=t.num_stages) for t in CANDIDATES],
-        key=["N", "WORDS", "GROUP_WORDS"])(_int4_gemv_kernel)
+        key=["N", "WORDS", "GROUP_WORDS"])(triton.heuristics(
+            {"EVEN": lambda a: a["N"] % a["BLOCK_N"] == 0 and a["WORDS"] % a["BLOCK_WORDS"] == 0})(_int4_gemv_kernel))
 
 
 def chosen_tiles() -> Int4Tiles | None:
@@ -125,15 +147,16 @@ def int4_gemv(x: torch.Tensor, w_q: torch.Tensor, scales: torch.Tensor, shifts: 
         raise ValueError(f"int4_gemv takes one row of {words * 8} values, not {tuple(x.shape)}")
     x = x.contiguous()
     y = torch.empty(1, n, device=x.device, dtype=x.dtype)
-    args = (x, w_q, scales, shifts, y, n, words, group_size // 8)
+    args = (x, w_q, scales, shifts, y, n, words, MAGIC_BITS)
     if tiles is None and INTERPRETED:
         tiles = DEFAULT_TILES
     if tiles is None:
-        _int4_gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args)
+        _int4_gemv_tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, GROUP_WORDS=group_size // 8)
     else:
+        even = n % tiles.block_n == 0 and words % tiles.block_words == 0
         _int4_gemv_kernel[(triton.cdiv(n, tiles.block_n),)](
-            *args, BLOCK_N=tiles.block_n, BLOCK_WORDS=tiles.block_words, num_warps=tiles.num_warps,
-            num_stages=tiles.num_stages)
+            *args, GROUP_WORDS=group_size // 8, BLOCK_N=tiles.block_n, BLOCK_WORDS=tiles.block_words, EVEN=even,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     return y
 
 
