@@ -1,7 +1,7 @@
 """Quantized matmul kernels on the 7B projections, one at a time, each replayed from a CUDA
 graph (issue 39): bf16 cuBLAS, FP8 torch._scaled_mm with per-token activation scales, FP8
 weight-only (gemlite A16W8), int4 tinygemm and int4 gemlite (A16W4, group 128), for 1 to 64
-token rows, and duoka's one-row int4 GEMV (int4_gemv.py) on the gemlite layer's tensors. Reports microseconds per call, the weight-read rate and the error against
+token rows, and duoka's int4 GEMV for 1-4 rows (int4_gemv.py) on the gemlite layer's tensors. Reports microseconds per call, the weight-read rate and the error against
 x @ dequantized.T; also checks that the gemlite layer traces under torch.compile(fullgraph)
 and replays inside a captured graph.
 
@@ -81,7 +81,7 @@ def build(name: str, shape: tuple[int, int], device: torch.device) -> dict:
     forced = {f"int4_gemlite_{name}": (forced_kernel(ours, index), w4.to(torch.bfloat16))
               for name, index in GEMLITE_MATMUL_TYPES_MAPPING.items()}
     w_q, s, z, _ = gl4.get_tensor_args()
-    forced["int4_gemv"] = (lambda x: int4_gemv(x, w_q, s, z, GROUP), w4.to(torch.bfloat16))  # one row only
+    forced["int4_gemv"] = (lambda x: int4_gemv(x, w_q, s, z, GROUP), w4.to(torch.bfloat16))  # 1-4 rows
     return forced | {"bf16": (lambda x: F.linear(x, w), w), "fp8_scaled_mm": (fp8, w8), "fp8_gemlite": (gl8, w8),
             "int4_tinygemm": (tiny, w4.to(torch.bfloat16)), "int4_gemlite": (gl4, w4.to(torch.bfloat16)),
             "int4_duoka": (ours, w4.to(torch.bfloat16))}
