@@ -1,9 +1,10 @@
-"""Quantized matmul kernels on the 7B projections, one at a time, each replayed from a CUDA
-graph (issue 39): bf16 cuBLAS, FP8 torch._scaled_mm with per-token activation scales, FP8
-weight-only (gemlite A16W8), int4 tinygemm and int4 gemlite (A16W4, group 128), for 1 to 64
-token rows, and duoka's int4 GEMV for 1-4 rows (int4_gemv.py) on the gemlite layer's tensors. Reports microseconds per call, the weight-read rate and the error against
-x @ dequantized.T; also checks that the gemlite layer traces under torch.compile(fullgraph)
-and replays inside a captured graph.
+"""Quantized matmul kernels on the 7B projections, one at a time, each replayed from a CUDA graph
+(issue 39): bf16 cuBLAS, FP8 torch._scaled_mm with per-token activation scales, FP8 weight-only
+(gemlite A16W8), int4 tinygemm and int4 gemlite (A16W4, group 128), for 1 to 64 token rows, and
+duoka's int4 GEMV for 1-4 rows (int4_gemv.py) on the gemlite layer's tensors. Reports
+microseconds per call, the weight-read rate and the error against x @ dequantized.T; also checks
+that the gemlite layer traces under torch.compile(fullgraph) and replays inside a captured
+graph.
 
     PYTHONPATH=$PWD python3 bench/quant_kernels.py --out $OUT/quant_kernels.json
 
@@ -80,11 +81,11 @@ def build(name: str, shape: tuple[int, int], device: torch.device) -> dict:
     ours = GemliteGroupLinear(ints, 4, torch.bfloat16)  # gemlite with duoka's kernel choice by rows
     forced = {f"int4_gemlite_{name}": (forced_kernel(ours, index), w4.to(torch.bfloat16))
               for name, index in GEMLITE_MATMUL_TYPES_MAPPING.items()}
-    w_q, s, z, _ = gl4.get_tensor_args()
-    forced["int4_gemv"] = (lambda x: int4_gemv(x, w_q, s, z, GROUP), w4.to(torch.bfloat16))  # 1-4 rows
+    w_q, s, z, _ = gl4.get_tensor_args()  # int4_gemv reads the gemlite layer's tensors in place
     return forced | {"bf16": (lambda x: F.linear(x, w), w), "fp8_scaled_mm": (fp8, w8), "fp8_gemlite": (gl8, w8),
             "int4_tinygemm": (tiny, w4.to(torch.bfloat16)), "int4_gemlite": (gl4, w4.to(torch.bfloat16)),
-            "int4_duoka": (ours, w4.to(torch.bfloat16))}
+            "int4_duoka": (ours, w4.to(torch.bfloat16)),
+            "int4_gemv": (lambda x: int4_gemv(x, w_q, s, z, GROUP), w4.to(torch.bfloat16))}  # 1-4 rows
 
 
 def forced_kernel(layer: GemliteGroupLinear, index: int):
